@@ -1,0 +1,1 @@
+"""kvfleet.kernels: attention and cache ops — Triton kernels with torch references, one dispatch."""

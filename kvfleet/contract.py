@@ -1,0 +1,87 @@
+"""Names the runtime and the operator must agree on: ports, paths and metric names.
+
+Torch-free and kopf-free on purpose: both halves import it (DESIGN.md, "Boundaries").
+The runtime metric names match vLLM's so existing dashboards and alerts work unchanged.
+"""
+
+from __future__ import annotations
+
+# --- the runtime's HTTP surface -------------------------------------------------------------
+RUNTIME_PORT = 8000
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+VERSION_PATH = "/version"
+MODELS_PATH = "/v1/models"
+API_KEY_ENV = "KVFLEET_API_KEY"
+
+# --- runtime metrics (prometheus-client names, without the _total suffix it adds) -------------
+MODEL_NAME_LABEL = "model_name"
+FINISHED_REASON_LABEL = "finished_reason"
+
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # 0..1
+PROMPT_TOKENS = "vllm:prompt_tokens"  # counter, exposed as vllm:prompt_tokens_total
+GENERATION_TOKENS = "vllm:generation_tokens"  # counter
+REQUEST_SUCCESS = "vllm:request_success"  # counter, label finished_reason
+NUM_PREEMPTIONS = "vllm:num_preemptions"  # counter
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # counter, in tokens
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # counter, in tokens
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"  # histogram
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"  # histogram
+
+COUNTERS = (
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    REQUEST_SUCCESS,
+    NUM_PREEMPTIONS,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+)
+GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
+HISTOGRAMS = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME)
+
+
+def exposed_names() -> set[str]:
+    """Every series name the runtime exposes on /metrics (counters with _total, histograms'
+    _bucket/_sum/_count), for checks that alerts and dashboards reference real metrics."""
+    names = set(GAUGES)
+    names |= {f"{c}_total" for c in COUNTERS}
+    for h in HISTOGRAMS:
+        names |= {f"{h}_bucket", f"{h}_sum", f"{h}_count"}
+    return names
+
+
+# --- operator metrics ---------------------------------------------------------------------------
+OPERATOR_METRICS_PORT = 8080
+OPERATOR_RECONCILES = "kvfleet_operator_reconciles"  # counter, labels: kind, result
+OPERATOR_RECONCILE_ERRORS = "kvfleet_operator_reconcile_errors"  # counter, label: reason
+OPERATOR_RECONCILE_DURATION = "kvfleet_operator_reconcile_duration_seconds"  # histogram
+INFERENCESERVICE_REPLICAS = "kvfleet_inferenceservice_replicas"  # gauge, namespace, name
+INFERENCESERVICE_READY_REPLICAS = "kvfleet_inferenceservice_ready_replicas"  # gauge
+INFERENCESERVICE_DESIRED_REPLICAS = "kvfleet_inferenceservice_desired_replicas"  # gauge (autoscaler)
+INFERENCESERVICE_READY = "kvfleet_inferenceservice_ready"  # gauge 0/1 (Ready condition)
+
+
+def operator_exposed_names() -> set[str]:
+    """Every series name the operator exposes on its own /metrics."""
+    return {
+        f"{OPERATOR_RECONCILES}_total",
+        f"{OPERATOR_RECONCILE_ERRORS}_total",
+        f"{OPERATOR_RECONCILE_DURATION}_bucket",
+        f"{OPERATOR_RECONCILE_DURATION}_sum",
+        f"{OPERATOR_RECONCILE_DURATION}_count",
+        INFERENCESERVICE_REPLICAS,
+        INFERENCESERVICE_READY_REPLICAS,
+        INFERENCESERVICE_DESIRED_REPLICAS,
+        INFERENCESERVICE_READY,
+    }
+
+
+# --- Kubernetes API ----------------------------------------------------------------------------
+API_GROUP = "kvfleet.dev"
+API_VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"

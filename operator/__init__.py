@@ -1,0 +1,1 @@
+"""kvfleet.operator: kopf handlers, rendering of children, autoscaler. Never imports torch."""

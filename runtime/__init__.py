@@ -1,0 +1,27 @@
+"""kvfleet.runtime: the paged-attention serving engine.
+
+`LLM` and `SamplingParams` are loaded on first use so that importing `kvfleet.runtime`
+(e.g. for the CLI's `kvfleet operator`) does not pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.llm import LLM
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from kvfleet.runtime.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kvfleet.runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'kvfleet.runtime' has no attribute {name!r}")
