@@ -1,0 +1,34 @@
+"""What one forward step tells attention about its batch.
+
+The scheduler orders every batch decodes first: the first `num_decodes` sequences have exactly one
+query token each, so a decode kernel takes tokens [0, num_decodes) and a prefill (varlen) kernel
+the rest. Host-side copies of the lengths let the CPU path and kernel launch grids avoid a
+device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's query tokens start
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]: logical → physical block
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot (block * block_size + offset); -1 = skip
+    num_decodes: int  # leading sequences with one query token each
+    max_query_len: int
+    max_seq_len: int
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

@@ -1,0 +1,175 @@
+"""Torch reference implementations: the specification of every kernel, and the CPU path.
+
+Because the CPU engine runs these for real, they are vectorised: decode attention for all
+decoding sequences is one gather and two batched matmuls per layer; only prefill sequences
+(a few per step) are handled one by one.
+
+Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.kernels.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """One sequence's first `length` cached tokens as [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    nblocks = (length + block_size - 1) // block_size
+    return cache[block_table[:nblocks].long()].flatten(0, 1)[:length]
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence ([seqs, heads, head_dim]) over its paged context."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    nblocks = (max_seq_len + block_size - 1) // block_size
+    table = block_tables[:num_seqs, :nblocks].long()
+    # [seqs, nblocks*block, kv_heads, D] → [seqs, kv_heads, ctx, D]
+    k = k_cache[table].flatten(1, 2).transpose(1, 2)
+    v = v_cache[table].flatten(1, 2).transpose(1, 2)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [seqs, kvh, group, ctx]
+    ctx = torch.arange(k.shape[2], device=query.device)
+    mask = ctx[None, :] >= seq_lens[:, None].to(ctx.dtype)  # [seqs, ctx]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [seqs, kvh, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for one sequence's query tokens ([q, heads, D]), the last q of its
+    `seq_len` context tokens, whose earlier part may already be cached (chunked prefill,
+    prefix hits)."""
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    k = _gather_context(k_cache, block_table, seq_len).transpose(0, 1)  # [kvh, ctx, D]
+    v = _gather_context(v_cache, block_table, seq_len).transpose(0, 1)
+    q = query.transpose(0, 1).to(k.dtype)  # [heads, q, D]
+    offset = seq_len - q_len
+    # Query i sits at position offset + i and sees keys 0..offset + i.
+    rows = torch.arange(q_len, device=query.device)[:, None] + offset
+    cols = torch.arange(seq_len, device=query.device)[None, :]
+    allowed = cols <= rows
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(0).transpose(0, 1).to(query.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a mixed batch ([tokens, heads, D] → same): decodes batched, prefills each."""
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = decode_attention(
+            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+            max(meta.seq_lens_host[:nd]), scale,
+        )  # fmt: skip
+    start = nd
+    for i in range(nd, meta.num_seqs):
+        q_len = meta.query_lens_host[i]
+        out[start : start + q_len] = prefill_attention(
+            query[start : start + q_len], k_cache, v_cache, meta.block_tables[i],
+            meta.seq_lens_host[i], scale,
+        )  # fmt: skip
+        start += q_len
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); with no residual the second is x itself."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype), x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: silu(x[..., :d]) * x[..., d:]."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ([tokens, heads, D]) and k ([tokens, kv_heads, D]) by their positions.
+
+    cos_sin_cache: [max_position, rotary_dim] holding cos in the first half, sin in the second.
+    neox layout rotates (x[:d/2], x[d/2:]) pairs; the GPT-J layout rotates interleaved pairs.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [tokens, rot/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        rot = cos.shape[-1] * 2
+        xr = x[..., :rot].float()
+        if is_neox:
+            x1, x2 = xr.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if rot == x.shape[-1]:
+            return out.to(x.dtype)
+        return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+    return rotate(query), rotate(key)

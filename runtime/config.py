@@ -1,0 +1,112 @@
+"""Engine configuration: one dataclass, validated once at the edge (CLI or `LLM(...)`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}  # fmt: skip
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and the limit."""
+
+
+def parse_bytes(text: str | int, field: str = "kv_cache_memory") -> int:
+    """'2GiB' → 2147483648; plain integers are bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m:
+            raise ConfigError(f"{field}: cannot read {text!r} as a size (examples: 512MiB, 2GiB, 1000000)")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value <= 0:
+        raise ConfigError(f"{field}: must be > 0 bytes, got {value}")
+    return value
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that shapes the engine. Defaults suit the bundled model on a laptop CPU."""
+
+    model: str = "bundled"
+    dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU runs it fast, else float32
+    device: str = "auto"  # auto: cuda if available, else cpu
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: 2 GiB on CPU, a fraction of free memory on GPU
+    kv_cache_memory_fraction: float = 0.9  # GPU only: of the memory free after loading weights
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.block_size not in (8, 16, 32):
+            raise ConfigError(f"block_size: must be 8, 16 or 32, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(
+                f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags shared by `generate`, `serve` and `bench`."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model,
+                   help="Hugging Face folder, a .gguf file, or 'bundled' (SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=d.block_size, choices=(8, 16, 32),
+                   help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget in bytes, e.g. 2GiB (default: 2GiB on CPU, "
+                        "--kv-cache-memory-fraction of free GPU memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction,
+                   help="GPU: fraction of free memory (after weights) given to the KV cache")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion, in tokens (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="most tokens in one forward pass (the step's token budget)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill, help="split long prompts across steps")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: derived from --model)")  # fmt: skip
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
