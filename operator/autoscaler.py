@@ -1,0 +1,410 @@
+"""The autoscaling decision: how many replicas an InferenceService should run, and why.
+
+Pure: no I/O, no clock, no Kubernetes. The kopf timer gathers `PodSample`s (metrics_source.py),
+calls `decide_replicas` with the history it kept from the previous poll, and applies the result.
+The algorithm is explained for platform engineers in docs/autoscaling.md.
+
+Signals (from the runtime's own /metrics, vLLM's names):
+- queue: total `vllm:num_requests_waiting` over the pods that answered;
+  needs ceil(total waiting / targetQueueDepth) replicas.
+- KV cache: mean `vllm:kv_cache_usage_perc` over the pods that answered;
+  needs ceil(current × mean usage / targetKVCacheUsage) replicas.
+
+Rules, in the order they apply:
+1. The replica count is brought inside [minReplicas, maxReplicas] at once if it is outside
+   (someone edited the bounds or scaled the Deployment by hand). This is the only way up from
+   0 replicas: with no pod there is no signal, which is why minReplicas must be at least 1.
+2. Each signal whose ratio (value / target) lies within 0.9..1.1 proposes "no change";
+   the recommendation is the largest proposal, clamped to [minReplicas, maxReplicas].
+3. Up: to the lowest recommendation of the last scaleUpStabilizationSeconds (0 = at once),
+   at most doubling (and at least +1) per poll.
+4. Down: only to the highest recommendation of the last scaleDownStabilizationSeconds, and
+   never while any pod is not ready or did not answer: a pod we cannot read is not an idle pod.
+   A scale-up still happens on the pods that answered (their queue is a lower bound of the load).
+5. One decision per poll, so at most one change per poll.
+
+History is an immutable tuple of `Recommendation`s; the Decision carries the updated history,
+trimmed to the longer window, for the caller to keep until the next poll. An empty history
+means the autoscaler just (re)started: it is seeded with the current replica count, so a
+restarted operator never scales down before it has watched a full scale-down window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# HPA's default tolerance: a signal within ±10% of its target causes no change.
+TOLERANCE = 0.1
+# Replica arithmetic happens on floats (e.g. 3 × 0.7 / 0.7); without this, 2.0000000000000004
+# would ceil to 3.
+_FLOAT_SLACK = 1e-9
+
+MetricsSource = Literal["scrape", "prometheus"]
+METRICS_SOURCES: tuple[str, ...] = ("scrape", "prometheus")
+
+
+class InvalidAutoscalingSpec(ValueError):
+    """A `spec.autoscaling` value the autoscaler cannot work with; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.autoscaling.{field}: {message}")
+        self.field = field
+
+
+@dataclass(slots=True, frozen=True)
+class AutoscalingSpec:
+    """`spec.autoscaling` of an InferenceService, with the CRD's defaults, validated."""
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_depth: float = 4
+    target_kv_cache_usage: float = 0.8
+    scale_up_stabilization_seconds: float = 0
+    scale_down_stabilization_seconds: float = 300
+    poll_interval_seconds: float = 15
+    metrics_source: MetricsSource = "scrape"
+    prometheus_url: str | None = None
+
+    @classmethod
+    def from_spec(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
+        """Build from the CR's `spec.autoscaling` dict (camelCase keys; absent keys default).
+
+        Raises InvalidAutoscalingSpec naming the field and the limit it broke.
+        """
+        raw = dict(autoscaling or {})
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise InvalidAutoscalingSpec(
+                unknown[0], f"unknown field; known fields are {', '.join(sorted(_FIELDS))}"
+            )
+        defaults = cls()
+        enabled = raw.get("enabled", defaults.enabled)
+        if not isinstance(enabled, bool):
+            raise InvalidAutoscalingSpec("enabled", f"must be true or false, got {enabled!r}")
+        min_replicas = _integer(raw, "minReplicas", defaults.min_replicas, minimum=1)
+        max_replicas = _integer(raw, "maxReplicas", defaults.max_replicas, minimum=1)
+        if max_replicas < min_replicas:
+            raise InvalidAutoscalingSpec(
+                "maxReplicas", f"must be >= minReplicas ({min_replicas}), got {max_replicas}"
+            )
+        target_queue_depth = _number(raw, "targetQueueDepth", defaults.target_queue_depth)
+        if target_queue_depth <= 0:
+            raise InvalidAutoscalingSpec(
+                "targetQueueDepth", f"must be > 0 waiting requests, got {target_queue_depth}"
+            )
+        target_kv = _number(raw, "targetKVCacheUsage", defaults.target_kv_cache_usage)
+        if not 0 < target_kv <= 1:
+            raise InvalidAutoscalingSpec(
+                "targetKVCacheUsage", f"must be > 0 and <= 1 (a fraction), got {target_kv}"
+            )
+        up = _number(raw, "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_seconds)
+        down = _number(
+            raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_seconds
+        )
+        for field, value in (
+            ("scaleUpStabilizationSeconds", up),
+            ("scaleDownStabilizationSeconds", down),
+        ):
+            if value < 0:
+                raise InvalidAutoscalingSpec(field, f"must be >= 0 seconds, got {value}")
+        poll = _number(raw, "pollIntervalSeconds", defaults.poll_interval_seconds)
+        if poll < 1:
+            raise InvalidAutoscalingSpec("pollIntervalSeconds", f"must be >= 1 second, got {poll}")
+        source = raw.get("metricsSource", defaults.metrics_source)
+        if source not in METRICS_SOURCES:
+            raise InvalidAutoscalingSpec(
+                "metricsSource", f"must be one of {', '.join(METRICS_SOURCES)}, got {source!r}"
+            )
+        url = raw.get("prometheusURL", defaults.prometheus_url)
+        if url is not None and (
+            not isinstance(url, str) or not url.startswith(("http://", "https://"))
+        ):
+            raise InvalidAutoscalingSpec(
+                "prometheusURL", f"must be an http:// or https:// URL, got {url!r}"
+            )
+        if source == "prometheus" and url is None:
+            raise InvalidAutoscalingSpec(
+                "prometheusURL", "is required when metricsSource is prometheus"
+            )
+        return cls(
+            enabled=enabled,
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            target_queue_depth=target_queue_depth,
+            target_kv_cache_usage=target_kv,
+            scale_up_stabilization_seconds=up,
+            scale_down_stabilization_seconds=down,
+            poll_interval_seconds=poll,
+            metrics_source=source,
+            prometheus_url=url,
+        )
+
+
+_FIELDS = (
+    "enabled",
+    "minReplicas",
+    "maxReplicas",
+    "targetQueueDepth",
+    "targetKVCacheUsage",
+    "scaleUpStabilizationSeconds",
+    "scaleDownStabilizationSeconds",
+    "pollIntervalSeconds",
+    "metricsSource",
+    "prometheusURL",
+)
+
+
+def _integer(raw: Mapping[str, Any], field: str, default: int, *, minimum: int) -> int:
+    value = raw.get(field, default)
+    # bool is an int in Python; `minReplicas: true` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidAutoscalingSpec(field, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidAutoscalingSpec(field, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(raw: Mapping[str, Any], field: str, default: float) -> float:
+    value = raw.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidAutoscalingSpec(field, f"must be a number, got {value!r}")
+    return value
+
+
+@dataclass(slots=True, frozen=True)
+class PodSample:
+    """What one pod reported on one poll. `scraped` False: no data (`error` says why)."""
+
+    pod: str
+    ready: bool
+    scraped: bool
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    error: str = ""
+
+    @property
+    def reporting(self) -> bool:
+        """True when this pod's numbers count: ready and answered."""
+        return self.ready and self.scraped
+
+
+@dataclass(slots=True, frozen=True)
+class Recommendation:
+    """The replica count one poll recommended (before stabilization), and when."""
+
+    at: float
+    replicas: int
+
+
+History = tuple[Recommendation, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """The outcome of one poll: `desired` replicas, a human-readable `reason`, the updated
+    `history` to keep, and the numbers behind it (for status and Events)."""
+
+    desired: int
+    reason: str
+    history: History
+    current: int
+    recommendation: int
+    total_waiting: float
+    total_running: float
+    mean_kv_usage: float | None  # None when no pod answered
+    pods_reporting: int
+    pods_missing: int
+
+    @property
+    def direction(self) -> Literal["up", "down", "none"]:
+        """Which way this decision scales (for the ScaledUp / ScaledDown Event)."""
+        if self.desired > self.current:
+            return "up"
+        if self.desired < self.current:
+            return "down"
+        return "none"
+
+
+def decide_replicas(
+    samples: Sequence[PodSample],
+    current: int,
+    spec: AutoscalingSpec,
+    history: History,
+    now: float,
+) -> Decision:
+    """Decide the replica count for one poll; see the module docstring for the rules.
+
+    `samples`: one per pod of the Deployment (ready or not); `current`: the Deployment's
+    replicas now; `history`: the previous Decision's history (empty on the first poll);
+    `now`: seconds on any monotonic clock the caller keeps using.
+    """
+    if current < 0:
+        raise ValueError(f"current replicas must be >= 0, got {current}")
+    reporting = [s for s in samples if s.reporting]
+    # Pods the Deployment wants but that are not even listed yet count as missing too: a
+    # scale-up in progress must not look like idle capacity.
+    missing = max(len(samples), current) - len(reporting)
+    total_waiting = sum(s.waiting for s in reporting)
+    total_running = sum(s.running for s in reporting)
+    mean_kv = sum(s.kv_usage for s in reporting) / len(reporting) if reporting else None
+
+    signals = _signals(total_waiting, mean_kv, current, spec) if reporting and current else []
+    proposed = max((s.proposal for s in signals), default=current)
+    recommendation = _clamp(proposed, spec)
+    # While data is missing we cannot justify fewer replicas than now; recording the lower
+    # number would let it end a later scale-down window early.
+    recorded = _clamp(max(recommendation, current), spec) if missing else recommendation
+
+    if not history:
+        history = (Recommendation(now, current),)
+    up_floor = min(
+        [r.replicas for r in _within(history, now, spec.scale_up_stabilization_seconds)]
+        + [recorded]
+    )
+    down_ceiling = max(
+        [r.replicas for r in _within(history, now, spec.scale_down_stabilization_seconds)]
+        + [recorded]
+    )
+    keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
+    kept = [r for r in history if r.at >= now - keep]
+    new_history = (*kept, Recommendation(now, recorded))
+
+    desired, reason = _choose(
+        current, recommendation, up_floor, down_ceiling, signals, missing, len(samples), spec
+    )
+    return Decision(
+        desired=desired,
+        reason=reason,
+        history=new_history,
+        current=current,
+        recommendation=recommendation,
+        total_waiting=total_waiting,
+        total_running=total_running,
+        mean_kv_usage=mean_kv,
+        pods_reporting=len(reporting),
+        pods_missing=missing,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class _Signal:
+    proposal: int  # replicas this signal asks for; `current` when within tolerance
+    ratio: float  # value / target
+    text: str  # "queue 14 waiting over 2 replicas > target 4 per replica"
+
+
+def _signals(
+    total_waiting: float, mean_kv: float | None, current: int, spec: AutoscalingSpec
+) -> list[_Signal]:
+    queue_needed = total_waiting / spec.target_queue_depth
+    queue_ratio = queue_needed / current
+    replicas = "replica" if current == 1 else "replicas"
+    queue = _Signal(
+        proposal=_propose(queue_needed, queue_ratio, current),
+        ratio=queue_ratio,
+        text=(
+            f"queue {total_waiting:g} waiting over {current} {replicas} "
+            f"{_compare(queue_ratio)} target {spec.target_queue_depth:g} per replica"
+        ),
+    )
+    kv_usage = mean_kv or 0.0
+    kv_ratio = kv_usage / spec.target_kv_cache_usage
+    kv = _Signal(
+        proposal=_propose(current * kv_ratio, kv_ratio, current),
+        ratio=kv_ratio,
+        text=(
+            f"KV cache {_percent(kv_usage)} {_compare(kv_ratio)} "
+            f"target {_percent(spec.target_kv_cache_usage)}"
+        ),
+    )
+    return [queue, kv]
+
+
+def _propose(needed: float, ratio: float, current: int) -> int:
+    if abs(ratio - 1) <= TOLERANCE + _FLOAT_SLACK:
+        return current
+    return max(0, math.ceil(needed - _FLOAT_SLACK))
+
+
+def _compare(ratio: float) -> str:
+    if abs(ratio - 1) <= TOLERANCE + _FLOAT_SLACK:
+        return "≈"
+    return ">" if ratio > 1 else "<"
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
+def _clamp(replicas: int, spec: AutoscalingSpec) -> int:
+    return min(max(replicas, spec.min_replicas), spec.max_replicas)
+
+
+def _within(history: History, now: float, window: float) -> list[Recommendation]:
+    # Strictly inside the window, so a 0-second window holds only this poll's recommendation.
+    return [r for r in history if r.at > now - window]
+
+
+def _choose(
+    current: int,
+    recommendation: int,
+    up_floor: int,
+    down_ceiling: int,
+    signals: list[_Signal],
+    missing: int,
+    pods: int,
+    spec: AutoscalingSpec,
+) -> tuple[int, str]:
+    if current < spec.min_replicas:
+        return spec.min_replicas, (
+            f"{current} replicas is below minReplicas {spec.min_replicas}: "
+            f"scaling {current} → {spec.min_replicas}"
+        )
+    if current > spec.max_replicas:
+        return spec.max_replicas, (
+            f"{current} replicas is above maxReplicas {spec.max_replicas}: "
+            f"scaling {current} → {spec.max_replicas}"
+        )
+    if not signals:
+        return current, f"metrics missing from all {max(pods, current)} pods: holding at {current}"
+    missing_note = f"metrics missing from {missing} of {max(pods, current)} pods" if missing else ""
+
+    if recommendation > current:
+        drivers = "; ".join(s.text for s in signals if s.proposal > current)
+        if missing_note:
+            drivers = f"{drivers} ({missing_note}: scaling on the pods that answered)"
+        if up_floor <= current:
+            return current, (
+                f"{drivers}; scale-up held: lowest recommendation in last "
+                f"{spec.scale_up_stabilization_seconds:g}s is {up_floor}"
+            )
+        step_limit = max(2 * current, current + 1)
+        desired = min(up_floor, step_limit)
+        note = ""
+        if desired < recommendation:
+            note = f" (recommended {recommendation}"
+            note += "; at most doubling per step)" if desired == step_limit else ")"
+        if desired == spec.max_replicas and desired < max(s.proposal for s in signals):
+            note += f" (capped at maxReplicas {spec.max_replicas})"
+        return desired, f"{drivers}: scaling {current} → {desired}{note}"
+
+    if recommendation < current:
+        load = "; ".join(s.text for s in signals)
+        if missing:
+            return current, f"{missing_note}: not scaling down ({load})"
+        if down_ceiling >= current:
+            return current, (
+                f"{load}; scale-down held: highest recommendation in last "
+                f"{spec.scale_down_stabilization_seconds:g}s is {down_ceiling}"
+            )
+        return down_ceiling, f"{load}: scaling {current} → {down_ceiling}"
+
+    load = "; ".join(s.text for s in signals)
+    if missing_note:
+        load = f"{load} ({missing_note})"
+    return current, f"{load}: holding at {current}"
