@@ -1,0 +1,166 @@
+"""Argo CD's view of an InferenceService: manifests/argocd/health.lua run by Lua 5.1 (as in
+Argo CD's gopher-lua) on the objects the operator produces in each phase of its life."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lupa import lua51
+
+ARGOCD = Path(__file__).resolve().parents[2] / "manifests" / "argocd"
+HEALTH_LUA = ARGOCD / "health.lua"
+CM_KEY = "resource.customizations.health.kvfleet.dev_InferenceService"
+
+
+def run_health(obj: dict[str, Any]) -> tuple[str, str | None]:
+    """Run the script the way Argo CD does: `obj` is a global, the script returns `hs`."""
+    lua = lua51.LuaRuntime()
+    lua.globals().obj = lua.table_from(obj, recursive=True)
+    hs = lua.execute(HEALTH_LUA.read_text())
+    return hs["status"], hs["message"]
+
+
+def condition(type_: str, status: str, generation: int | None = None, **extra: str) -> dict:
+    c: dict[str, Any] = {"type": type_, "status": status, **extra}
+    if generation is not None:
+        c["observedGeneration"] = generation
+    return c
+
+
+def infsvc(generation: int = 2, status: dict | None = None) -> dict:
+    obj: dict[str, Any] = {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "default", "generation": generation},
+        "spec": {"model": "bundled", "replicas": 2},
+    }
+    if status is not None:
+        obj["status"] = status
+    return obj
+
+
+def test_ready_for_current_generation_is_healthy() -> None:
+    status = {
+        "observedGeneration": 2,
+        "replicas": 2,
+        "readyReplicas": 2,
+        "conditions": [
+            condition("Ready", "True", 2, reason="AllReplicasReady", message="2/2 replicas ready"),
+            condition("Progressing", "False", 2, reason="RolloutComplete"),
+            condition("Degraded", "False", 2, reason="AsExpected"),
+        ],
+    }
+    assert run_health(infsvc(2, status)) == ("Healthy", "2/2 replicas ready")
+
+
+def test_missing_status_is_progressing() -> None:
+    # A freshly synced object the operator has not seen yet must not read as Healthy or Degraded.
+    state, message = run_health(infsvc(1))
+    assert state == "Progressing"
+    assert message
+
+
+def test_status_without_conditions_is_progressing() -> None:
+    assert run_health(infsvc(1, {"replicas": 0}))[0] == "Progressing"
+
+
+def test_stale_observed_generation_is_progressing_even_if_ready() -> None:
+    # Argo CD just synced generation 3; the Ready verdict is about generation 2.
+    status = {"observedGeneration": 2, "conditions": [condition("Ready", "True", 2)]}
+    state, message = run_health(infsvc(3, status))
+    assert state == "Progressing"
+    assert "3" in message
+
+
+def test_ready_condition_for_older_generation_is_progressing() -> None:
+    status = {
+        "observedGeneration": 3,
+        "conditions": [condition("Ready", "True", 2), condition("Progressing", "False", 3)],
+    }
+    assert run_health(infsvc(3, status))[0] == "Progressing"
+
+
+def test_ready_falls_back_to_status_observed_generation() -> None:
+    status = {"observedGeneration": 4, "conditions": [condition("Ready", "True", message="ok")]}
+    assert run_health(infsvc(4, status)) == ("Healthy", "ok")
+
+
+def test_ready_without_any_observed_generation_is_not_healthy() -> None:
+    # Nothing says which spec was checked, so Argo CD must not call this sync healthy.
+    status = {"conditions": [condition("Ready", "True")]}
+    assert run_health(infsvc(1, status))[0] == "Progressing"
+
+
+@pytest.mark.parametrize(
+    "reason,message",
+    [
+        ("RollingOut", "1/2 replicas updated"),
+        ("ScalingUp", "autoscaler: 2 -> 4 replicas (queue depth 37)"),
+    ],
+)
+def test_rollout_or_scaling_is_progressing_with_its_message(reason: str, message: str) -> None:
+    status = {
+        "observedGeneration": 2,
+        "conditions": [
+            condition("Ready", "True", 2),
+            condition("Progressing", "True", 2, reason=reason, message=message),
+            condition("Degraded", "False", 2),
+        ],
+    }
+    assert run_health(infsvc(2, status)) == ("Progressing", message)
+
+
+def test_degraded_reports_the_operator_message() -> None:
+    message = "spec.resources.gpu: 9 GPUs requested, nodes offer at most 8"
+    status = {
+        "observedGeneration": 2,
+        "conditions": [
+            condition("Ready", "False", 2, reason="InvalidSpec"),
+            condition("Progressing", "False", 2),
+            condition("Degraded", "True", 2, reason="InvalidSpec", message=message),
+        ],
+    }
+    assert run_health(infsvc(2, status)) == ("Degraded", message)
+
+
+def test_degraded_wins_over_ready() -> None:
+    status = {
+        "observedGeneration": 2,
+        "conditions": [
+            condition("Ready", "True", 2),
+            condition("Degraded", "True", 2, reason="CrashLooping", message="pod chat-0 restarts"),
+        ],
+    }
+    assert run_health(infsvc(2, status)) == ("Degraded", "pod chat-0 restarts")
+
+
+def test_not_ready_and_not_progressing_is_still_progressing() -> None:
+    status = {
+        "observedGeneration": 1,
+        "conditions": [
+            condition("Ready", "False", 1, message="0/1 replicas ready"),
+            condition("Progressing", "False", 1),
+            condition("Degraded", "False", 1),
+        ],
+    }
+    assert run_health(infsvc(1, status)) == ("Progressing", "0/1 replicas ready")
+
+
+def test_argocd_cm_patch_inlines_health_lua_verbatim() -> None:
+    patch = yaml.safe_load((ARGOCD / "argocd-cm-patch.yaml").read_text())
+    assert patch["kind"] == "ConfigMap"
+    assert patch["metadata"]["name"] == "argocd-cm"
+    assert patch["data"][CM_KEY] == HEALTH_LUA.read_text()
+
+
+def test_example_application_syncs_the_samples_folder() -> None:
+    app = yaml.safe_load((ARGOCD / "application.yaml").read_text())
+    assert app["apiVersion"] == "argoproj.io/v1alpha1"
+    assert app["kind"] == "Application"
+    path = app["spec"]["source"]["path"]
+    assert path == "manifests/samples"
+    samples = list((ARGOCD.parents[1] / path).glob("*.yaml"))
+    assert samples, f"{path}/ holds no manifests for the Application to sync"
