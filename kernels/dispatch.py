@@ -6,8 +6,9 @@ TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importa
 
 from __future__ import annotations
 
-import torch
+import functools
 
+import torch
 from kvfleet.kernels import reference
 from kvfleet.kernels.metadata import AttentionMetadata
 
@@ -16,13 +17,20 @@ _backend = "auto"
 
 
 def set_backend(name: str) -> None:
+    """Choose the kernel backend for every op: "auto", "torch" or "triton"."""
     global _backend
     if name not in _BACKENDS:
         raise ValueError(f"kernel backend: must be one of {', '.join(_BACKENDS)}, got {name!r}")
     _backend = name
 
 
+def get_backend() -> str:
+    """The backend set by `set_backend` (default "auto")."""
+    return _backend
+
+
 def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on tensor `t` run the Triton kernels under the current backend."""
     if _backend == "torch":
         return False
     if _backend == "triton":
@@ -30,6 +38,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_available()
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -38,7 +47,17 @@ def _triton_available() -> bool:
     return True
 
 
+# Triton modules are imported on first use: importing triton costs a second, and CPU-only
+# installs may lack it entirely.
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
+    if use_triton(key):
+        from kvfleet.kernels import triton_cache
+
+        triton_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -49,16 +68,36 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """Attention for a mixed batch (decodes first) reading K/V from the paged cache."""
+    if use_triton(query):
+        from kvfleet.kernels import triton_attention
+
+        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     return reference.paged_attention(query, k_cache, v_cache, meta, scale)
 
 
 def rms_norm(x, weight, eps, residual=None):
+    """(norm(x + residual) * weight, x + residual); with no residual the second is x itself."""
+    if use_triton(x):
+        from kvfleet.kernels import triton_rms_norm
+
+        return triton_rms_norm.rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x):
+    """SwiGLU's gate: silu(x[..., :d]) * x[..., d:]."""
+    if use_triton(x):
+        from kvfleet.kernels import triton_silu_and_mul
+
+        return triton_silu_and_mul.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):
+    """Rotate q and k by their positions; returns (q, k)."""
+    if use_triton(query):
+        from kvfleet.kernels import triton_rotary
+
+        return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
     return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)

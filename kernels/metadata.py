@@ -18,7 +18,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's query tokens start
     seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step (cached + new)
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]: logical → physical block
-    slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot (block * block_size + offset); -1 = skip
+    slot_mapping: (
+        torch.Tensor
+    )  # int64 [num_tokens]: cache slot (block * block_size + offset); -1 = skip
     num_decodes: int  # leading sequences with one query token each
     max_query_len: int
     max_seq_len: int

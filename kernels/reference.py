@@ -10,7 +10,6 @@ Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim].
 from __future__ import annotations
 
 import torch
-
 from kvfleet.kernels.metadata import AttentionMetadata
 
 
@@ -32,9 +31,7 @@ def reshape_and_cache(
     v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int
-) -> torch.Tensor:
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` cached tokens as [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     nblocks = (length + block_size - 1) // block_size
@@ -80,7 +77,7 @@ def prefill_attention(
     """Causal attention for one sequence's query tokens ([q, heads, D]), the last q of its
     `seq_len` context tokens, whose earlier part may already be cached (chunked prefill,
     prefix hits)."""
-    q_len, num_heads, head_dim = query.shape
+    q_len, num_heads = query.shape[:2]
     num_kv_heads = k_cache.shape[2]
     k = _gather_context(k_cache, block_table, seq_len).transpose(0, 1)  # [kvh, ctx, D]
     v = _gather_context(v_cache, block_table, seq_len).transpose(0, 1)
