@@ -75,12 +75,9 @@ class AutoscalingSpec:
 
         Raises InvalidAutoscalingSpec naming the field and the limit it broke.
         """
-        raw = dict(autoscaling or {})
-        unknown = sorted(set(raw) - set(_FIELDS))
-        if unknown:
-            raise InvalidAutoscalingSpec(
-                unknown[0], f"unknown field; known fields are {', '.join(sorted(_FIELDS))}"
-            )
+        # null means "not set" (a YAML key with no value), like an absent key. Unknown keys are
+        # left to the CRD schema: the API server prunes them before the operator sees them.
+        raw = {k: v for k, v in (autoscaling or {}).items() if v is not None}
         defaults = cls()
         enabled = raw.get("enabled", defaults.enabled)
         if not isinstance(enabled, bool):
@@ -119,7 +116,7 @@ class AutoscalingSpec:
             raise InvalidAutoscalingSpec(
                 "metricsSource", f"must be one of {', '.join(METRICS_SOURCES)}, got {source!r}"
             )
-        url = raw.get("prometheusURL", defaults.prometheus_url)
+        url = raw.get("prometheusURL") or None  # the CRD may default it to ""
         if url is not None and (
             not isinstance(url, str) or not url.startswith(("http://", "https://"))
         ):
@@ -142,20 +139,6 @@ class AutoscalingSpec:
             metrics_source=source,
             prometheus_url=url,
         )
-
-
-_FIELDS = (
-    "enabled",
-    "minReplicas",
-    "maxReplicas",
-    "targetQueueDepth",
-    "targetKVCacheUsage",
-    "scaleUpStabilizationSeconds",
-    "scaleDownStabilizationSeconds",
-    "pollIntervalSeconds",
-    "metricsSource",
-    "prometheusURL",
-)
 
 
 def _integer(raw: Mapping[str, Any], field: str, default: int, *, minimum: int) -> int:
