@@ -3,7 +3,8 @@
 Triton's CPU interpreter computes bfloat16 `tl.dot` wrongly (numpy has no bfloat16: the raw
 bits are multiplied), so under TRITON_INTERPRET=1 the operands are widened to float32 first.
 The values were already rounded to their storage dtype, so the result matches the GPU's
-bfloat16 MMA up to accumulation order.
+bfloat16 MMA up to accumulation order. (The interpreter also truncates float32 → bfloat16
+casts where a GPU rounds to nearest: interpreter tests use tolerances of one bf16 ulp.)
 """
 
 from __future__ import annotations
