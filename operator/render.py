@@ -1,0 +1,276 @@
+"""Pure functions from an InferenceService to its children: a Deployment and a Service.
+
+No I/O: the handlers apply what these return. Every spec field that reaches the pod is read
+here, so the render tests cover the whole spec-to-pod mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvfleet.operator.model_uri import parse_model_uri
+from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
+
+from kvfleet import contract
+
+MANAGED_BY = "kvfleet-operator"
+APP_NAME = "kvfleet"
+COMPONENT = "inference"
+CONTAINER_NAME = "runtime"
+SERVICE_PORT = 80
+GPU_RESOURCE = "nvidia.com/gpu"
+# The Deployment carries the InferenceService generation it was rendered from, so the status
+# logic can tell a Deployment that reflects the current spec from a stale one.
+GENERATION_ANNOTATION = "kvfleet.dev/generation"
+PRESTOP_SLEEP_SECONDS = 5  # lets endpoints controllers drop the pod before SIGTERM
+GRACE_MARGIN_SECONDS = 15  # beyond preStop + drain, for the process to exit
+STARTUP_PROBE_PERIOD = 10
+STARTUP_PROBE_FAILURES = 180  # 30 minutes: a large model pulled from the Hub loads slowly
+CACHE_DIR = "/var/cache/kvfleet"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels that select an InferenceService's pods (immutable on a Deployment)."""
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
+
+
+def common_labels(name: str) -> dict[str, str]:
+    """Labels on every child the operator manages."""
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": COMPONENT,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def selector_string(name: str) -> str:
+    """The label selector as text, for status.selector (the scale subresource reads it)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def service_url(name: str, namespace: str) -> str:
+    """The in-cluster URL of the InferenceService's Service (port 80, so no port in the URL)."""
+    return f"http://{name}.{namespace}.svc.cluster.local"
+
+
+def served_name(spec: InferenceServiceSpec, name: str) -> str:
+    """The model name clients put in `model`: spec.model.servedName, else the object's name."""
+    return spec.model.served_name or name
+
+
+def owner_reference(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """A controller ownerReference to the InferenceService, so deleting it deletes the child."""
+    meta = isvc["metadata"]
+    return {
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
+        "kind": contract.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _flag(name: str, enabled: bool) -> str:
+    return f"--{name}" if enabled else f"--no-{name}"
+
+
+def runtime_args(spec: InferenceServiceSpec, name: str) -> list[str]:
+    """The `kvfleet serve` command line for this spec (without the leading `kvfleet`)."""
+    source = parse_model_uri(spec.model.uri)
+    rt = spec.runtime
+    args = ["serve", "--model", source.model_arg]
+    if source.revision:
+        args += ["--revision", source.revision]
+    args += [
+        "--host", "0.0.0.0",
+        "--port", str(contract.RUNTIME_PORT),
+        "--served-model-name", served_name(spec, name),
+        "--dtype", rt.dtype,
+        "--block-size", str(rt.block_size),
+        "--max-num-seqs", str(rt.max_num_seqs),
+        "--max-num-batched-tokens", str(rt.max_num_batched_tokens),
+        "--max-model-len", str(rt.max_model_len),
+        "--kv-cache-memory-fraction", repr(rt.kv_cache_memory_fraction),
+        _flag("enable-prefix-caching", rt.enable_prefix_caching),
+        _flag("enable-chunked-prefill", rt.enable_chunked_prefill),
+        "--drain-timeout", str(rt.drain_timeout_seconds),
+    ]  # fmt: skip
+    return args + list(rt.extra_args)
+
+
+def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    if spec.api_key_secret_ref is not None:
+        ref = spec.api_key_secret_ref
+        env.append(
+            {
+                "name": contract.API_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    if spec.model.hf_token_secret_ref is not None:
+        ref = spec.model.hf_token_secret_ref
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )
+    # User entries come last so that they can override ours (Kubernetes keeps the last one).
+    env.extend(dict(e) for e in spec.env)
+    return env
+
+
+def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    requests: dict[str, str] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    limits: dict[str, str] = {"memory": spec.resources.memory}
+    if spec.resources.gpus > 0:
+        # Extended resources must have requests == limits.
+        requests[GPU_RESOURCE] = str(spec.resources.gpus)
+        limits[GPU_RESOURCE] = str(spec.resources.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": contract.HEALTH_PATH, "port": contract.RUNTIME_PORT},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    source = parse_model_uri(spec.model.uri)
+    volumes: list[dict[str, Any]] = [
+        # PyTorch and NCCL use shared memory well beyond the container runtime's 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    if source.pvc_claim:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": source.pvc_claim, "readOnly": True},
+            }
+        )
+        mounts.append({"name": "model", "mountPath": source.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+    """The pod template: the runtime container, probes, volumes, scheduling and security."""
+    volumes, mounts = _volumes(spec)
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(contract.RUNTIME_PORT),
+        "prometheus.io/path": contract.METRICS_PATH,
+        **spec.pod_annotations,
+    }
+    # User labels first: they may add labels but never change the ones the selector relies on.
+    labels = {**spec.pod_labels, **common_labels(name)}
+    grace = PRESTOP_SLEEP_SECONDS + spec.runtime.drain_timeout_seconds + GRACE_MARGIN_SECONDS
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["kvfleet"],
+        "args": runtime_args(spec, name),
+        "ports": [{"name": "http", "containerPort": contract.RUNTIME_PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "readinessProbe": _probe(period=5, failures=3),
+        "livenessProbe": _probe(period=10, failures=3),
+        "startupProbe": _probe(period=STARTUP_PROBE_PERIOD, failures=STARTUP_PROBE_FAILURES),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": grace,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def initial_replicas(spec: InferenceServiceSpec) -> int:
+    """Replicas for a new Deployment: the autoscaler's floor when it owns them, else spec.replicas."""
+    return spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas
+
+
+def render_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The Deployment for an InferenceService object (metadata with uid, generation; spec)."""
+    meta = isvc["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    spec = parse_spec(isvc.get("spec") or {})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": common_labels(name),
+            "annotations": {GENERATION_ANNOTATION: str(meta.get("generation", 0))},
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "spec": {
+            "replicas": initial_replicas(spec),
+            "selector": {"matchLabels": selector_labels(name)},
+            # Surge, never drop: a replica keeps serving until its successor is ready.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": STARTUP_PROBE_PERIOD * STARTUP_PROBE_FAILURES + 600,
+            "template": pod_template(spec, name),
+        },
+    }
+
+
+def render_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The ClusterIP Service: port 80 to the runtime's port on ready pods."""
+    meta = isvc["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": common_labels(name),
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }

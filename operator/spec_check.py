@@ -1,0 +1,130 @@
+"""Checks on a spec that the CRD schema cannot express; each failure becomes Degraded=True.
+
+The schema already rejects wrong types, out-of-range numbers and min > max at admission time;
+these are the rules that need code (URI grammar per scheme, node capacity, combinations), plus
+the schema's own rules again for servers where the CRD was not installed with validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.operator.model_uri import ModelURIError, parse_model_uri
+from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
+
+DEFAULT_MAX_GPUS_PER_NODE = 8
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+BLOCK_SIZES = (8, 16, 32)
+
+
+@dataclass(slots=True, frozen=True)
+class SpecProblem:
+    """Why a spec cannot be served: a CamelCase reason and a message a human can act on."""
+
+    reason: str
+    message: str
+
+
+def check_spec(
+    raw_spec: Mapping[str, Any], *, max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
+) -> tuple[InferenceServiceSpec | None, list[SpecProblem]]:
+    """Parse and check a raw spec; returns the parsed spec (None if unparseable) and problems."""
+    try:
+        spec = parse_spec(raw_spec)
+    except SpecError as exc:
+        return None, [SpecProblem("InvalidSpec", str(exc))]
+    problems: list[SpecProblem] = []
+    try:
+        source = parse_model_uri(spec.model.uri)
+    except ModelURIError as exc:
+        problems.append(SpecProblem("UnsupportedModelURI", f"spec.model.uri: {exc}"))
+        source = None
+    if spec.model.hf_token_secret_ref is not None and source is not None and not source.from_hub:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                "spec.model.hfTokenSecretRef is only used with hf:// model URIs; remove it or use hf://",
+            )
+        )
+    rt, res, auto = spec.runtime, spec.resources, spec.autoscaling
+    if res.gpus > max_gpus_per_node:
+        problems.append(
+            SpecProblem(
+                "InsufficientGPUs",
+                f"spec.resources.gpus is {res.gpus} but no node type offers more than "
+                f"{max_gpus_per_node} GPUs per node; lower it to at most {max_gpus_per_node}",
+            )
+        )
+    if rt.tensor_parallel_size != 1:
+        problems.append(
+            SpecProblem(
+                "UnsupportedTensorParallel",
+                f"spec.runtime.tensorParallelSize is {rt.tensor_parallel_size}; the kvfleet runtime "
+                "serves a model on one device, so it must be 1",
+            )
+        )
+    if rt.dtype not in DTYPES:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec", f"spec.runtime.dtype {rt.dtype!r} is not one of {', '.join(DTYPES)}"
+            )
+        )
+    if rt.dtype == "float16" and res.gpus == 0:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                "spec.runtime.dtype float16 needs a GPU (spec.resources.gpus is 0); use float32 or auto on CPU",
+            )
+        )
+    if rt.block_size not in BLOCK_SIZES:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.runtime.blockSize is {rt.block_size}; it must be one of {BLOCK_SIZES}",
+            )
+        )
+    if not rt.enable_chunked_prefill and rt.max_num_batched_tokens < rt.max_model_len:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.runtime.maxNumBatchedTokens ({rt.max_num_batched_tokens}) is below maxModelLen "
+                f"({rt.max_model_len}) with chunked prefill off: long prompts could never be scheduled",
+            )
+        )
+    if rt.max_num_batched_tokens < rt.max_num_seqs:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.runtime.maxNumBatchedTokens ({rt.max_num_batched_tokens}) is below maxNumSeqs "
+                f"({rt.max_num_seqs}): a full batch of decodes would not fit one step",
+            )
+        )
+    if not 0 < rt.kv_cache_memory_fraction < 1:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.runtime.kvCacheMemoryFraction is {rt.kv_cache_memory_fraction}; it must be in (0, 1)",
+            )
+        )
+    if spec.replicas < 0:
+        problems.append(
+            SpecProblem("InvalidSpec", f"spec.replicas is {spec.replicas}; it must be >= 0")
+        )
+    if auto.min_replicas < 1 or auto.min_replicas > auto.max_replicas:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.autoscaling.minReplicas ({auto.min_replicas}) must be >= 1 and <= "
+                f"maxReplicas ({auto.max_replicas})",
+            )
+        )
+    if auto.enabled and auto.metrics_source == "prometheus" and not auto.prometheus_url:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                "spec.autoscaling.metricsSource is prometheus but spec.autoscaling.prometheusURL is empty",
+            )
+        )
+    return spec, problems

@@ -1,0 +1,168 @@
+"""The InferenceService status, derived (purely) from its Deployment, its pods and spec problems."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvfleet.operator import conditions as c
+from kvfleet.operator.render import GENERATION_ANNOTATION, selector_string, served_name, service_url
+from kvfleet.operator.spec import SpecError, parse_spec
+from kvfleet.operator.spec_check import SpecProblem
+
+# Container waiting reasons that will not fix themselves: the pod needs a human.
+STUCK_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+
+
+def _pod_problem(pods: Iterable[Mapping[str, Any]]) -> c.Condition | None:
+    for pod in pods:
+        pod_name = pod.get("metadata", {}).get("name", "?")
+        statuses = pod.get("status", {}).get("containerStatuses") or []
+        for cs in statuses:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason", "")
+            if reason in STUCK_REASONS:
+                detail = waiting.get("message") or f"restarted {cs.get('restartCount', 0)} times"
+                message = f"pod {pod_name} container {cs.get('name', '?')}: {reason}: {detail}"
+                return c.Condition(c.DEGRADED, c.TRUE, reason, message)
+    return None
+
+
+def _deployment_problem(dep_status: Mapping[str, Any]) -> c.Condition | None:
+    for cond in dep_status.get("conditions") or []:
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return c.Condition(
+                c.DEGRADED, c.TRUE, cond.get("reason", "ReplicaFailure"), cond.get("message", "")
+            )
+        if (
+            cond.get("type") == "Progressing"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "ProgressDeadlineExceeded"
+        ):
+            return c.Condition(
+                c.DEGRADED, c.TRUE, "ProgressDeadlineExceeded", cond.get("message", "")
+            )
+    return None
+
+
+def compute_status(
+    isvc: Mapping[str, Any],
+    deployment: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]] = (),
+    problems: Sequence[SpecProblem] = (),
+    *,
+    now: str | None = None,
+) -> dict[str, Any]:
+    """The full `status` to write for an InferenceService, conditions merged with the current ones."""
+    meta = isvc["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    generation = int(meta.get("generation", 0))
+    old = isvc.get("status") or {}
+    status: dict[str, Any] = {
+        "selector": selector_string(name),
+        "url": service_url(name, namespace),
+    }
+    try:
+        status["model"] = served_name(parse_spec(isvc.get("spec") or {}), name)
+    except SpecError:
+        status["model"] = ""
+    updates: list[c.Condition]
+
+    if problems:
+        first = problems[0]
+        message = "; ".join(p.message for p in problems)
+        updates = [
+            c.Condition(c.DEGRADED, c.TRUE, first.reason, message),
+            c.Condition(
+                c.PROGRESSING, c.FALSE, first.reason, "the spec cannot be served as written"
+            ),
+        ]
+        observed = generation
+        ready, replicas = 0, 0
+        if deployment is not None:
+            ready = int(deployment.get("status", {}).get("readyReplicas") or 0)
+            replicas = int(deployment.get("status", {}).get("replicas") or 0)
+        updates.append(
+            c.Condition(
+                c.READY,
+                c.TRUE if ready > 0 else c.FALSE,
+                "PreviousSpecServing" if ready > 0 else first.reason,
+                "the last valid spec is still serving" if ready > 0 else message,
+            )
+        )
+    elif deployment is None:
+        observed = int(old.get("observedGeneration") or 0)
+        ready = replicas = 0
+        updates = [
+            c.Condition(c.READY, c.FALSE, "DeploymentMissing", "the Deployment does not exist yet"),
+            c.Condition(c.PROGRESSING, c.TRUE, "Creating", "creating the Deployment"),
+        ]
+    else:
+        d_meta = deployment.get("metadata", {})
+        d_status = deployment.get("status") or {}
+        observed = int((d_meta.get("annotations") or {}).get(GENERATION_ANNOTATION) or 0)
+        desired = int((deployment.get("spec") or {}).get("replicas", 1))
+        replicas = int(d_status.get("replicas") or 0)
+        ready = int(d_status.get("readyReplicas") or 0)
+        available = int(d_status.get("availableReplicas") or 0)
+        updated = int(d_status.get("updatedReplicas") or 0)
+        seen = int(d_status.get("observedGeneration") or 0) >= int(d_meta.get("generation") or 0)
+        current = observed == generation and seen
+        rolled = current and updated >= desired and replicas <= updated
+        if not current or not rolled:
+            progress = c.Condition(
+                c.PROGRESSING,
+                c.TRUE,
+                "RollingOut",
+                f"{updated} of {desired} replicas run the current spec",
+            )
+        elif available < desired:
+            progress = c.Condition(
+                c.PROGRESSING,
+                c.TRUE,
+                "ReplicasStarting",
+                f"{available} of {desired} replicas available",
+            )
+        else:
+            progress = c.Condition(
+                c.PROGRESSING, c.FALSE, "Complete", f"{desired} replicas run the current spec"
+            )
+        if desired == 0:
+            readiness = c.Condition(c.READY, c.FALSE, "ScaledToZero", "spec.replicas is 0")
+        elif available >= desired and rolled:
+            readiness = c.Condition(
+                c.READY, c.TRUE, "AllReplicasReady", f"{available} of {desired} replicas ready"
+            )
+        elif available > 0:
+            # Serving, but not everything is there yet: kubectl wait should keep waiting.
+            readiness = c.Condition(
+                c.READY, c.FALSE, "PartiallyReady", f"{available} of {desired} replicas ready"
+            )
+        else:
+            readiness = c.Condition(
+                c.READY, c.FALSE, "NoReplicasReady", f"0 of {desired} replicas ready"
+            )
+        degraded = _pod_problem(pods) or _deployment_problem(d_status)
+        if degraded is None:
+            degraded = c.Condition(c.DEGRADED, c.FALSE, "AsExpected", "")
+        updates = [readiness, progress, degraded]
+    if not any(u.type == c.DEGRADED for u in updates):
+        updates.append(c.Condition(c.DEGRADED, c.FALSE, "AsExpected", ""))
+
+    status["observedGeneration"] = observed
+    status["replicas"] = replicas
+    status["readyReplicas"] = ready
+    status["conditions"] = c.merge_conditions(
+        old.get("conditions"), updates, observed_generation=observed, now=now
+    )
+    return status
