@@ -336,8 +336,8 @@ def test_reason_names_the_numbers(samples, current, spec, history):
     if decision.pods_reporting and spec.min_replicas <= current <= spec.max_replicas:
         queue = f"queue {decision.total_waiting:g} waiting over {current} replica"
         kv = f"KV cache {decision.mean_kv_usage * 100:.0f}%"
-        # A scale-up names the signals that drive it; any other outcome names both.
-        if decision.direction == "up":
+        # A (possibly held) scale-up names the signals that drive it; anything else names both.
+        if decision.recommendation > current:
             assert queue in decision.reason or kv in decision.reason
         else:
             assert queue in decision.reason and kv in decision.reason
@@ -354,7 +354,10 @@ def test_steady_load_converges_without_flapping(spec, waiting, kv_demand, start)
     def load(n: int) -> list[PodSample]:
         return pods(n, waiting=waiting, kv=min(1.0, kv_demand / n))
 
-    polls = math.ceil(spec.scale_down_stabilization_seconds / 15) + 20
+    # Room for every step up (each waits out the up window; ≤ 6 steps to reach 16), the down
+    # window, then ten quiet polls.
+    up_polls = math.ceil(spec.scale_up_stabilization_seconds / 15) + 1
+    polls = 6 * up_polls + math.ceil(spec.scale_down_stabilization_seconds / 15) + 20
     replicas = [start] + [d.desired for d in run_polls(load, spec, start, polls)]
     steps = [b - a for a, b in itertools.pairwise(replicas) if b != a]
     # Monotone: once it moved one way it never moves back while the load stays the same...
