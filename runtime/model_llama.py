@@ -1,0 +1,131 @@
+"""Our Llama-family model (Llama, SmolLM2, Mistral, Qwen2): one forward over every token a step
+schedules, prefill chunks and decodes mixed, with K/V kept in the paged cache.
+
+Every op that touches the cache or has a fused kernel goes through `kvfleet.kernels.dispatch`,
+so the same code runs the torch reference on CPU and Triton on CUDA. Projections are fused
+(q/k/v in one matmul, gate/up in one) to halve the number of GEMM launches per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.runtime.model_config import ModelConfig
+from torch import nn
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialised: weights are always loaded (or randomised) right after construction, and
+    # the default nn.Linear init of a 1B model would cost seconds.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block + SwiGLU MLP, with the residual add fused into each norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.eps = cfg.rms_norm_eps
+        self.scale = d**-0.5
+        self.input_layernorm = _param(h, dtype=dtype, device=device)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype, device=device)
+        self.qkv_bias = (
+            _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+            if cfg.attention_bias
+            else None
+        )
+        self.o_proj = _param(h, self.q_size, dtype=dtype, device=device)
+        self.post_attention_layernorm = _param(h, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = hidden.shape[0]
+        x, residual = dispatch.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = dispatch.rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True)
+        k_cache, v_cache = kv_cache
+        dispatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        x, residual = dispatch.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        hidden = F.linear(dispatch.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return hidden, residual
+
+
+class LlamaModel(nn.Module):
+    """The whole network. Build it in the dtype and on the device it will run on (do not
+    `.to()` it later: the RoPE table must stay float32). Parameters start uninitialised; fill
+    them with `loader.load_weights` or `random_models.init_random_weights`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        self.config = config
+        self.dtype, self.device = dtype, torch.device(device)
+        h = config.hidden_size
+        self.embed_tokens = _param(config.vocab_size, h, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = _param(h, dtype=dtype, device=device)
+        # Tied models read logits straight off the embedding table: one tensor, no copy.
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, h, dtype=dtype, device=device)
+        )
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
+        decodes first, as `meta` describes); K/V of every token is written to `kv_caches`."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(
+                positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
+            )
+        hidden, _ = dispatch.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for N hidden states (the engine passes one per sequence)."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def rope_cos_sin_cache(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of every position's angles, then their sin.
+
+    Computed in float32 exactly as transformers does, so logits match it to rounding."""
+    inv_freq = config.inv_freq()
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
