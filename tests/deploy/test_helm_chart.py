@@ -1,0 +1,261 @@
+"""charts/kvfleet as Helm itself sees it (Helm's Go SDK through helm-python-sdk): it lints
+clean, renders objects the API server would accept, and every value does what values.yaml says."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+import kvfleet
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvfleet"
+VALUES_ALL = yaml.safe_load((Path(__file__).parent / "values-all.yaml").read_text())
+K8S_VERSION = kubernetes_validate.latest_version()
+# Prometheus Operator and kopf kinds: CRDs kubernetes-validate has no schema for.
+CUSTOM_GROUPS = ("monitoring.coreos.com/", "kopf.dev/")
+RELEASE, NAMESPACE = "kvfleet", "kvfleet-system"
+
+
+@pytest.fixture(scope="module")
+def chart() -> helm.Chart:
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:
+    rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    objects = []
+    for path, text in rendered.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def operator_container(objects: list[dict]) -> dict:
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def check_custom_resource_shape(obj: dict) -> None:
+    """Minimal structure of the Prometheus Operator / kopf objects, whose CRDs are not here."""
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
+    kind, spec = obj["kind"], obj.get("spec", {})
+    if kind == "ServiceMonitor":
+        assert spec["selector"]["matchLabels"]
+        assert all(isinstance(e["port"], str) and e["path"] for e in spec["endpoints"])
+    elif kind == "PodMonitor":
+        assert spec["selector"]["matchLabels"]
+        assert all(isinstance(e["port"], str) and e["path"] for e in spec["podMetricsEndpoints"])
+    elif kind == "PrometheusRule":
+        for group in spec["groups"]:
+            assert group["name"] and group["rules"]
+            for rule in group["rules"]:
+                assert set(rule) <= {"alert", "record", "expr", "for", "labels", "annotations"}
+                assert rule["expr"] and ("alert" in rule) != ("record" in rule)
+    elif kind in {"KopfPeering", "ClusterKopfPeering"}:
+        assert obj["apiVersion"] == "kopf.dev/v1" and not spec
+    else:
+        raise AssertionError(f"no structural check for {kind}")
+
+
+@pytest.mark.parametrize("values", [{}, VALUES_ALL], ids=["defaults", "everything-on"])
+def test_chart_lints_clean_in_strict_mode(values: dict) -> None:
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize("values", [{}, VALUES_ALL], ids=["defaults", "everything-on"])
+def test_every_rendered_object_is_valid(chart: helm.Chart, values: dict) -> None:
+    objects = render(chart, values) + [yaml.safe_load(c["data"]) for c in chart.crds]
+    for obj in objects:
+        if obj["apiVersion"].startswith(CUSTOM_GROUPS):
+            check_custom_resource_shape(obj)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_defaults_install_only_the_operator(chart: helm.Chart) -> None:
+    kinds = sorted(o["kind"] for o in render(chart, {}))
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+    ]
+
+
+def test_everything_on_adds_monitors_rules_and_peering(chart: helm.Chart) -> None:
+    objects = render(chart, VALUES_ALL)
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        (monitor,) = by_kind(objects, kind)
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    peerings = by_kind(objects, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+
+
+def test_single_replica_runs_standalone_and_never_overlaps(chart: helm.Chart) -> None:
+    objects = render(chart, {})
+    args = operator_container(objects)["args"]
+    assert args[0] == "operator"
+    assert "--standalone" in args and "--all-namespaces" in args
+    assert not any(a.startswith("--peering") for a in args)
+    assert by_kind(objects, "Deployment")[0]["spec"]["strategy"]["type"] == "Recreate"
+    assert not by_kind(objects, "CustomResourceDefinition")
+
+
+@pytest.mark.parametrize("watch", [[], ["ml"]], ids=["cluster-wide", "namespaced"])
+def test_several_replicas_elect_a_leader_through_kopf_peering(
+    chart: helm.Chart, watch: list[str]
+) -> None:
+    objects = render(chart, {"replicas": 2, "watchNamespaces": watch})
+    args = operator_container(objects)["args"]
+    assert "--standalone" not in args
+    peering_name = next(a.split("=", 1)[1] for a in args if a.startswith("--peering="))
+    kind = "KopfPeering" if watch else "ClusterKopfPeering"
+    (peering,) = by_kind(objects, kind)
+    assert peering["metadata"]["name"] == peering_name
+    # A hook, so it is created after the peering CRDs rendered beside it.
+    assert "post-install" in peering["metadata"]["annotations"]["helm.sh/hook"]
+    crds = {c["spec"]["names"]["kind"] for c in by_kind(objects, "CustomResourceDefinition")}
+    assert crds == {"ClusterKopfPeering", "KopfPeering"}
+
+
+def test_watch_namespaces_become_operator_flags(chart: helm.Chart) -> None:
+    args = operator_container(render(chart, VALUES_ALL))["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args
+    assert "--metrics-port=9090" in args
+
+
+def test_image_and_runtime_image_default_to_the_app_version(chart: helm.Chart) -> None:
+    version = kvfleet.__version__
+    container = operator_container(render(chart, {}))
+    assert container["image"] == f"ghcr.io/kvfleet/operator:{version}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVFLEET_DEFAULT_RUNTIME_IMAGE"] == f"ghcr.io/kvfleet/runtime:{version}"
+    assert env["KVFLEET_LOG_LEVEL"] == "INFO"
+
+
+def test_chart_default_runtime_image_matches_the_crd_default() -> None:
+    # Two defaults that disagree would give different pods for the same InferenceService
+    # depending on which one applied.
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    crd_default = spec["properties"]["runtime"]["properties"]["image"]["default"]
+    assert crd_default == f"ghcr.io/kvfleet/runtime:{kvfleet.__version__}"
+
+
+def test_every_value_override_reaches_the_deployment(chart: helm.Chart) -> None:
+    objects = render(chart, VALUES_ALL)
+    (deployment,) = by_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(objects)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert deployment["spec"]["replicas"] == 3
+    assert container["image"] == "registry.example.com/platform/kvfleet-operator:0.1.0-rc1"
+    assert container["imagePullPolicy"] == "Always"
+    assert container["resources"] == VALUES_ALL["resources"]
+    assert env["KVFLEET_DEFAULT_RUNTIME_IMAGE"] == VALUES_ALL["defaultRuntimeImage"]
+    assert env["KVFLEET_LOG_LEVEL"] == "DEBUG"
+    assert pod["nodeSelector"] == VALUES_ALL["nodeSelector"]
+    assert pod["tolerations"] == VALUES_ALL["tolerations"]
+    assert pod["affinity"] == VALUES_ALL["affinity"]
+    assert pod["serviceAccountName"] == "kvfleet-operator"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_pod_monitor_selects_the_pods_the_operator_renders(chart: helm.Chart) -> None:
+    from kvfleet.operator import render as operator_render
+
+    (monitor,) = by_kind(render(chart, VALUES_ALL), "PodMonitor")
+    runtime_labels = operator_render.common_labels("chat")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= runtime_labels.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    assert "app.kubernetes.io/instance" in monitor["spec"]["podTargetLabels"]
+
+
+def test_metrics_service_targets_the_operator_port(chart: helm.Chart) -> None:
+    objects = render(chart, {})
+    (service,) = by_kind(objects, "Service")
+    (deployment,) = by_kind(objects, "Deployment")
+    assert (
+        service["spec"]["selector"].items() <= deployment["spec"]["selector"]["matchLabels"].items()
+    )
+    ports = {p["name"]: p["containerPort"] for p in operator_container(objects)["ports"]}
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert ports["metrics"] == 8080
+
+
+def test_chart_app_version_is_the_package_version(chart: helm.Chart) -> None:
+    assert chart.metadata["appVersion"] == kvfleet.__version__
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"replicas": "three"},
+        {"replicas": 0},
+        {"watchNamespaces": "team-a"},
+        {"logLevel": "LOUD"},
+        {"metrics": {"serviceMonitor": {"enabled": "yes"}}},
+        {"image": {"repository": "x", "pullPolicy": "Sometimes"}},
+        {"replica": 2},
+    ],
+    ids=lambda v: json.dumps(v),
+)
+def test_schema_rejects_wrong_values(chart: helm.Chart, bad: dict) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+
+
+def test_schema_accepts_every_option(chart: helm.Chart) -> None:
+    chart.validate_schema(VALUES_ALL)
+    chart.validate_schema({})
+
+
+def test_every_value_has_a_comment() -> None:
+    """Each leaf of the schema appears in values.yaml right under a comment line."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    documented: dict[str, bool] = {}
+    stack: list[tuple[int, str]] = []
+    previous = ""
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if match:
+            indent, key = len(match.group(1)), match.group(2)
+            stack = [(i, k) for i, k in stack if i < indent]
+            path = ".".join([k for _, k in stack] + [key])
+            documented[path] = previous.lstrip().startswith("#")
+            stack.append((indent, key))
+        if line.strip():
+            previous = line
+
+    def leaves(node: dict, prefix: str) -> list[str]:
+        if "properties" not in node:
+            return [prefix]
+        found = []
+        for key, sub in node["properties"].items():
+            sub = schema["definitions"][sub["$ref"].rsplit("/", 1)[1]] if "$ref" in sub else sub
+            found += leaves(sub, f"{prefix}.{key}" if prefix else key)
+        return found
+
+    missing = [p for p in leaves(schema, "") if p in documented and not documented[p]]
+    assert not missing, f"values.yaml keys without a comment: {missing}"
+    assert len([p for p in leaves(schema, "") if p in documented]) >= 15
