@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from lupa import lua51
@@ -154,6 +155,7 @@ def test_argocd_cm_patch_inlines_health_lua_verbatim() -> None:
     assert patch["kind"] == "ConfigMap"
     assert patch["metadata"]["name"] == "argocd-cm"
     assert patch["data"][CM_KEY] == HEALTH_LUA.read_text()
+    kubernetes_validate.validate(patch, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_example_application_syncs_the_samples_folder() -> None:
