@@ -259,3 +259,16 @@ def test_every_value_has_a_comment() -> None:
     missing = [p for p in leaves(schema, "") if p in documented and not documented[p]]
     assert not missing, f"values.yaml keys without a comment: {missing}"
     assert len([p for p in leaves(schema, "") if p in documented]) >= 15
+
+
+@pytest.mark.parametrize("values", [{}, VALUES_ALL], ids=["defaults", "everything-on"])
+def test_operator_cli_accepts_the_rendered_arguments(chart: helm.Chart, values: dict) -> None:
+    from kvfleet.runtime import cli
+
+    container = operator_container(render(chart, values))
+    assert container["command"] == ["kvfleet"]
+    args = cli.build_parser().parse_args(container["args"])
+    assert args.command == "operator"
+    assert args.standalone == (values.get("replicas", 1) == 1)
+    assert args.metrics_port == values.get("metrics", {}).get("port", 8080)
+    assert args.namespace == values.get("watchNamespaces", [])
