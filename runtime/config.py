@@ -29,7 +29,9 @@ def parse_bytes(text: str | int, field: str = "kv_cache_memory") -> int:
     else:
         m = _SIZE_RE.match(str(text))
         if not m:
-            raise ConfigError(f"{field}: cannot read {text!r} as a size (examples: 512MiB, 2GiB, 1000000)")
+            raise ConfigError(
+                f"{field}: cannot read {text!r} as a size (examples: 512MiB, 2GiB, 1000000)"
+            )
         value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     if value <= 0:
         raise ConfigError(f"{field}: must be > 0 bytes, got {value}")
@@ -44,7 +46,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU runs it fast, else float32
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: 2 GiB on CPU, a fraction of free memory on GPU
+    kv_cache_memory: int | None = (
+        None  # bytes; None: 2 GiB on CPU, a fraction of free memory on GPU
+    )
     kv_cache_memory_fraction: float = 0.9  # GPU only: of the memory free after loading weights
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 256
@@ -53,6 +57,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     served_model_name: str | None = None
+    num_threads: int | None = None  # CPU threads for torch (None: torch's default, all cores)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -69,6 +74,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -81,28 +88,66 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags shared by `generate`, `serve` and `bench`."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=d.model,
-                   help="Hugging Face folder, a .gguf file, or 'bundled' (SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=d.model,
+        help="Hugging Face folder, a .gguf file, or 'bundled' (SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--block-size", type=int, default=d.block_size, choices=(8, 16, 32),
-                   help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget in bytes, e.g. 2GiB (default: 2GiB on CPU, "
-                        "--kv-cache-memory-fraction of free GPU memory)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction,
-                   help="GPU: fraction of free memory (after weights) given to the KV cache")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + completion, in tokens (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="most tokens in one forward pass (the step's token budget)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill, help="split long prompts across steps")
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        choices=(8, 16, 32),
+        help="tokens per KV-cache block",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache budget in bytes, e.g. 2GiB (default: 2GiB on CPU, "
+        "--kv-cache-memory-fraction of free GPU memory)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=d.kv_cache_memory_fraction,
+        help="GPU: fraction of free memory (after weights) given to the KV cache",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion, in tokens (default: the model's)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="most tokens in one forward pass (the step's token budget)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_chunked_prefill,
+        help="split long prompts across steps",
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads for the forward pass (default: all cores)",
+    )
     g.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: derived from --model)")  # fmt: skip
 

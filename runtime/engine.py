@@ -1,0 +1,331 @@
+"""LLMEngine: requests in, tokens out, one scheduled forward pass per `step()`.
+
+Single-threaded by design: whoever calls `step()` owns the model (the offline `LLM` calls it in
+a loop; the server runs it in its own thread). Everything else is bookkeeping around the
+scheduler, the KV cache manager, the model runner and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from kvfleet.runtime.config import ConfigError, EngineConfig
+from kvfleet.runtime.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.model_runner import ModelRunner, kv_bytes_per_token
+from kvfleet.runtime.request import CompletionOutput, Request, RequestOutput, TokenLogprob
+from kvfleet.runtime.sampler import Sampler
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_MEMORY = 2 * 1024**3
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `field` names the offending input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class EngineObserver(Protocol):
+    """Hook for metrics: called from the engine thread as requests progress."""
+
+    def on_first_token(self, request: Request, now: float) -> None: ...
+    def on_token(self, request: Request, now: float) -> None: ...
+    def on_finished(self, request: Request, now: float) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason → count
+    steps: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name} was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matmuls run at least as fast as float32 here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        from kvfleet.runtime.loader import load_model, load_tokenizer
+
+        self.config = config
+        self.observer = observer
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.model, self.model_config, folder = load_model(config.model, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(folder if folder is not None else config.model)
+        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        mc = self.model_config
+
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} exceeds the model's context length "
+                f"{mc.max_position_embeddings}"
+            )
+        per_token = kv_bytes_per_token(mc, self.dtype)
+        budget = self._kv_budget(per_token)
+        num_blocks = budget // (per_token * config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(
+                f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} tokens, "
+                f"fewer than max_model_len {self.max_model_len}; raise --kv-cache-memory or lower "
+                f"--max-model-len"
+            )
+        max_batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit one step.
+            max_batched = max(max_batched, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, mc, self.kv, self.dtype, self.device)
+        self.sampler = Sampler(config.seed)
+        self.counters = EngineCounters()
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._groups: dict[str, list[Request]] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+            config.model, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
+            config.block_size, num_blocks * config.block_size * per_token / 1024**3,
+            self.max_model_len,
+        )  # fmt: skip
+
+    def _kv_budget(self, per_token: int) -> int:
+        if self.config.kv_cache_memory is not None:
+            return int(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.kv_cache_memory_fraction)
+        return CPU_DEFAULT_KV_MEMORY
+
+    # --- requests ----------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        from kvfleet.runtime.served_name import served_model_name
+
+        return served_model_name(self.config)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(text)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the engine's limits; return its resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("prompt", "must not be empty")
+        if n >= self.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"has {n} tokens; max_model_len is {self.max_model_len} and at least one token "
+                f"must be generated",
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        max_tokens = params.max_tokens or (self.max_model_len - n)
+        if n + max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}",
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._groups:
+            raise RequestError("request_id", f"{request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.validate(ids, params)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            r = Request(
+                request_id=rid,
+                prompt_token_ids=ids,
+                params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                group_id=request_id,
+                index=i,
+                arrival_time=now,
+            )
+            children.append(r)
+            self._detok[rid] = IncrementalDetokenizer(
+                self._backend_tokenizer, params.stop, params.skip_special_tokens
+            )
+        self._groups[request_id] = children
+        self._prompts[request_id] = text
+        # Siblings are queued together: the first one's prompt blocks are published when they
+        # are allocated, so the others hit them in the same step (n > 1 shares the prompt).
+        for r in children:
+            self.scheduler.add(r)
+        self.counters.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request at once and free its blocks; False if it is unknown or done."""
+        children = self._groups.get(request_id)
+        if children is None:
+            return False
+        for r in children:
+            if not r.finished:
+                self.scheduler.finish(r, "abort")
+                self._on_finished(r, time.monotonic())
+        self._forget(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # --- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.counters.steps += 1
+        rows, logits = self.runner.execute(batch)
+        for r, n in zip(batch.requests, batch.num_tokens, strict=True):
+            r.num_computed_tokens += n
+        touched: dict[str, None] = {}
+        if rows:
+            tokens, logprobs = self.sampler(logits, rows)
+            now = time.monotonic()
+            for r, tok, lp in zip(rows, tokens, logprobs, strict=True):
+                self._append_token(r, tok, lp, now)
+                touched[r.group_id] = None
+        return [self._output(g) for g in touched]
+
+    def _append_token(self, r: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
+        r.all_token_ids.append(token)
+        self.counters.generation_tokens += 1
+        if r.logprobs is not None and lp is not None:
+            r.logprobs.append(lp)
+        first = r.first_token_time is None
+        if first:
+            r.first_token_time = now
+        if self.observer is not None:
+            (self.observer.on_first_token if first else self.observer.on_token)(r, now)
+        r.last_token_time = now
+
+        p = r.params
+        may_stop = r.num_output_tokens >= p.min_tokens
+        detok = self._detok[r.request_id]
+        if may_stop and not p.ignore_eos and token in r.eos_token_ids:
+            self._finish(r, "stop", token, now)
+            return
+        if may_stop and token in p.stop_token_ids:
+            self._finish(r, "stop", token, now)
+            return
+        stop_str = detok.add(token, check_stop=may_stop)
+        r.output_text = detok.text
+        if stop_str is not None:
+            self._finish(r, "stop", stop_str, now)
+        elif r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            self._finish(r, "length", None, now)
+
+    def _finish(self, r: Request, reason: str, stop_reason: str | int | None, now: float) -> None:
+        self.scheduler.finish(r, reason, stop_reason)
+        self._on_finished(r, now)
+
+    def _on_finished(self, r: Request, now: float) -> None:
+        reason = r.finish_reason or "abort"
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer.on_finished(r, now)
+
+    def _output(self, group_id: str) -> RequestOutput:
+        children = self._groups[group_id]
+        outputs = []
+        for r in children:
+            detok = self._detok[r.request_id]
+            outputs.append(
+                CompletionOutput(
+                    index=r.index,
+                    text=detok.visible_text(r.finished),
+                    token_ids=r.output_token_ids,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                    logprobs=list(r.logprobs) if r.logprobs is not None else None,
+                )
+            )
+        finished = all(r.finished for r in children)
+        out = RequestOutput(
+            request_id=group_id,
+            prompt=self._prompts.get(group_id),
+            prompt_token_ids=children[0].prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=children[0].num_cached_tokens,
+        )
+        if finished:
+            self._forget(group_id)
+        return out
+
+    def _forget(self, group_id: str) -> None:
+        for r in self._groups.pop(group_id, []):
+            self._detok.pop(r.request_id, None)
+        self._prompts.pop(group_id, None)

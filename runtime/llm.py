@@ -1,0 +1,80 @@
+"""The offline API: `LLM(model="bundled").generate(prompts, params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.request import RequestOutput
+from kvfleet.runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Runs the engine to completion for a batch of prompts, all scheduled together."""
+
+    def __init__(self, model: str = "bundled", **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Completions for each prompt (text or token ids), in the order given."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        param_list = _broadcast(params, len(prompt_list))
+        return self._run(prompt_list, param_list)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation or several, through the model's chat template."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
+        prompts = [self.engine.apply_chat_template(list(m)) for m in messages]  # type: ignore[arg-type]
+        return self._run(prompts, _broadcast(params, len(prompts)))
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self.engine.add_request(rid, prompt, p)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[rid] for rid in ids]
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"params: got {len(params)} SamplingParams for {n} prompts")
+    return list(params)

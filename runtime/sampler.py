@@ -1,0 +1,109 @@
+"""Turn each scheduled request's last-token logits into its next token.
+
+Batched over requests; the only per-request work is for the few that ask for penalties or a
+seed. A seeded request draws its noise from its own generator, so its tokens do not depend on
+what else is in the batch. Sampling uses the exponential-race form of the Gumbel-max trick
+(argmax p/q with q ~ Exp(1)), which draws from softmax without a cumulative sum.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvfleet.runtime.request import Request, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: float32 [len(requests), vocab] on CPU."""
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_constraints(logits, requests)
+
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        if len(greedy) == len(requests):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests)
+            if greedy:
+                idx = torch.tensor(greedy)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+        token_list = tokens.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, r in enumerate(requests):
+                n = r.params.logprobs
+                if n is None:
+                    continue
+                top: list[tuple[int, float]] = []
+                if n > 0:
+                    vals, ids = raw_logprobs[i].topk(n)
+                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                tok = token_list[i]
+                logprobs[i] = TokenLogprob(tok, float(raw_logprobs[i, tok]), top)
+        return token_list, logprobs
+
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties and min_tokens: per request, only for the requests that use them."""
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.uses_penalties:
+                row = logits[i]
+                out_ids = torch.tensor(r.output_token_ids, dtype=torch.long)
+                if p.repetition_penalty != 1.0:
+                    seen = torch.tensor(r.all_token_ids, dtype=torch.long).unique()
+                    vals = row[seen]
+                    row[seen] = torch.where(
+                        vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                    )
+                if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+                    counts = torch.bincount(out_ids, minlength=row.numel()).to(row.dtype)
+                    row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.extend(r.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature or 1.0 for r in requests], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [r.params.min_p for r in requests]
+        if any(min_p):
+            mp = torch.tensor(min_p, dtype=probs.dtype)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (the top token always stays)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k])
+    ranks = torch.arange(vocab)[None, :]
+    mask = ranks >= k[:, None]
+    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p.
+    mask |= (probs.cumsum(dim=-1) - probs) >= p
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

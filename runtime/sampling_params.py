@@ -1,0 +1,102 @@
+"""Per-request sampling parameters, validated once when the request arrives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `field` names it (the HTTP layer maps it to `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop. Defaults match the OpenAI API's."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per sampled token (0 = only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(name, message)
+
+        check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        if self.max_tokens is not None:
+            check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        if self.logprobs is not None:
+            check(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
