@@ -364,3 +364,15 @@ def test_steady_load_converges_without_flapping(spec, waiting, kv_demand, start)
     assert all(s > 0 for s in steps) or all(s < 0 for s in steps), replicas
     # ...and it settles: the last ten polls change nothing.
     assert len(set(replicas[-10:])) == 1, replicas
+
+
+def test_worked_example_from_the_docs():
+    # docs/autoscaling.md, "Worked example": (t, waiting, KV usage) → replicas after the poll.
+    polls = [(0, 2, 0.4, 1), (15, 14, 0.95, 2), (30, 14, 0.9, 4), (45, 3, 0.5, 4)]
+    polls += [(t, 0, 0.2, 4) for t in range(60, 330, 15)]
+    polls += [(330, 0, 0.2, 3), (345, 0, 0.2, 1), (360, 0, 0.2, 1)]
+    current, history = 1, ()
+    for t, waiting, kv, expected in polls:
+        decision = decide_replicas(pods(current, waiting, kv), current, SPEC, history, now=t)
+        assert decision.desired == expected, (t, decision.reason)
+        current, history = decision.desired, decision.history
