@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfleet.operator.autoscaler import (
@@ -55,6 +57,17 @@ def test_spec_defaults_match_the_crd():
     assert spec.scale_down_stabilization_seconds == 300
     assert spec.poll_interval_seconds == 15
     assert (spec.metrics_source, spec.prometheus_url) == ("scrape", None)
+
+
+def test_spec_defaults_are_the_crd_schema_defaults():
+    crd = yaml.safe_load(
+        (Path(__file__).parents[2] / "crds" / "inferenceservices.kvfleet.dev.yaml").read_text()
+    )
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    fields = schema["properties"]["spec"]["properties"]["autoscaling"]["properties"]
+    from_crd = {k: v["default"] for k, v in fields.items() if "default" in v}
+    assert AutoscalingSpec.from_spec(from_crd) == AutoscalingSpec.from_spec({})
+    assert set(from_crd) >= {"minReplicas", "maxReplicas", "scaleDownStabilizationSeconds"}
 
 
 def test_spec_reads_camel_case_fields():
