@@ -1,0 +1,156 @@
+"""`kvfleet serve`: the OpenAI-compatible server every runtime pod runs.
+
+Lifecycle: the HTTP port opens first (so /health answers 503 while the model loads), the
+engine loads in its own thread, a one-token warm-up generation runs, then /health turns 200.
+SIGTERM (or SIGINT) drains: /health 503, new requests 503, in-flight requests finish within
+--drain-timeout, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvfleet.runtime.config import ConfigError, add_engine_args, engine_config_from_args
+
+from kvfleet import contract
+
+log = logging.getLogger("kvfleet.serve")
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API with "
+                       "Prometheus metrics, a deep health check and a graceful drain.")  # fmt: skip
+    add_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=contract.RUNTIME_PORT, help="port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer <key>' on the API (default: "
+                   f"${contract.API_KEY_ENV}); /health, /metrics and /version stay open")  # fmt: skip
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to queue before new ones get 503 + Retry-After")  # fmt: skip
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (413 beyond)")  # fmt: skip
+    g.add_argument("--revision", default=None,
+                   help="model revision (for hub models fetched before start; recorded only)")  # fmt: skip
+    g.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"), help="log verbosity")  # fmt: skip
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"port: must be in [0, 65535], got {args.port}")
+    if args.max_waiting_requests < 1:
+        raise ConfigError(f"max_waiting_requests: must be >= 1, got {args.max_waiting_requests}")
+    if args.drain_timeout < 0:
+        raise ConfigError(f"drain_timeout: must be >= 0 seconds, got {args.drain_timeout}")
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes: must be >= 1, got {args.max_body_bytes}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        _check_serve_args(args)
+        config = engine_config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvfleet serve: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args, config))
+
+
+async def _serve(args: argparse.Namespace, config: object) -> int:
+    import asyncio
+    import signal
+
+    from aiohttp import web
+    from kvfleet.runtime.async_engine import AsyncEngine
+    from kvfleet.runtime.runtime_metrics import RuntimeMetrics
+    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.served_name import served_model_name
+    from kvfleet.runtime.server import OpenAIServer, ServerSettings
+
+    name = served_model_name(config)  # type: ignore[arg-type]
+    engine: AsyncEngine
+    metrics = RuntimeMetrics(name, lambda: engine.stats)
+    engine = AsyncEngine(config, observer=metrics)  # type: ignore[arg-type]
+    settings = ServerSettings(
+        model_name=name,
+        api_key=args.api_key or os.environ.get(contract.API_KEY_ENV) or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+    )
+    server = OpenAIServer(engine, metrics, settings)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, shutdown_timeout=5.0)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
+        await runner.cleanup()
+        return 1
+    log.info("listening on http://%s:%s (model %s%s; /health is 503 until it is loaded)",
+             args.host, args.port, config.model,  # type: ignore[attr-defined]
+             f" @ {args.revision}" if args.revision else "")  # fmt: skip
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    start = asyncio.create_task(engine.start())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # signalled while loading: nothing in flight, just leave
+        log.info("stopping before the model finished loading")
+        await runner.cleanup()
+        return 0
+    if start.exception() is not None:
+        log.error("could not load the model: %s", start.exception())
+        await runner.cleanup()
+        return 1
+
+    # The warm-up proves the whole path (prefill, decode, sampling, detokenizing) works before
+    # the pod reports ready.
+    warm_ids = engine.engine.encode("Hello") or [0]  # type: ignore[union-attr]
+    try:
+        async for _ in engine.generate("warmup", warm_ids, SamplingParams(max_tokens=1)):
+            pass
+    except Exception as exc:
+        log.error("warm-up generation failed: %s", exc)
+        await engine.stop()
+        await runner.cleanup()
+        return 1
+    server.ready = True
+    log.info("ready: serving %r on http://%s:%s", name, args.host, args.port)
+
+    await stopper
+    server.draining = True
+    log.info("draining: %d requests in flight, up to %.0f s", engine.num_in_flight,
+             args.drain_timeout)  # fmt: skip
+    if not await server.wait_idle(args.drain_timeout):
+        log.warning("drain timeout: aborting %d requests still in flight", engine.num_in_flight)
+    await engine.stop()
+    await runner.cleanup()
+    log.info("stopped")
+    return 0

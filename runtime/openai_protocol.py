@@ -1,0 +1,387 @@
+"""The OpenAI wire format: request parsing and validation, response and stream-chunk shapes.
+
+Pure functions over JSON-decoded bodies: no I/O, no engine. Every rejection is an `APIError`
+whose message names the field and the limit, rendered in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.runtime.request import CompletionOutput, TokenLogprob
+from kvfleet.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+MAX_N = 64  # completions per prompt: beyond this one request could monopolise the batch
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# JSON has no -Infinity: a token the sampler could never pick is reported as this (as vLLM does).
+LOGPROB_FLOOR = -9999.0
+
+TokenText = Callable[[int], str]
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _error_type(status)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 503:
+        return "service_unavailable"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+# --- field access ----------------------------------------------------------------------------
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "an array", dict: "an object"}  # fmt: skip
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """body[name] checked against kind (int is accepted for float; bool never for numbers)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if kind is float and ok and not math.isfinite(value):
+        raise APIError(400, f"{name}: must be a finite number, got {value}", param=name)
+    if not ok:
+        raise APIError(
+            400, f"{name}: must be {_TYPE_NAMES[kind]}, got {_type_name(value)}", param=name
+        )
+    return value
+
+
+def _int_list(body: dict[str, Any], name: str) -> list[int]:
+    value = _get(body, name, list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise APIError(400, f"{name}: must be an array of integers", param=name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise APIError(400, "stop: must be a string or an array of strings", param="stop")
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = _get(body, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(
+            400, "stream_options: only allowed when stream is true", param="stream_options"
+        )
+    return bool(_get(options, "include_usage", bool, False))
+
+
+def _sampling_params(
+    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    n = _get(body, "n", int, 1)
+    if n > MAX_N:
+        raise APIError(400, f"n: must be <= {MAX_N}, got {n}", param="n")
+    _get(body, "user", str)
+    try:
+        return SamplingParams(
+            n=n,
+            temperature=_get(body, "temperature", float, 1.0),
+            top_p=_get(body, "top_p", float, 1.0),
+            top_k=_get(body, "top_k", int, 0),
+            min_p=_get(body, "min_p", float, 0.0),
+            repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
+            presence_penalty=_get(body, "presence_penalty", float, 0.0),
+            frequency_penalty=_get(body, "frequency_penalty", float, 0.0),
+            seed=_get(body, "seed", int),
+            max_tokens=max_tokens,
+            min_tokens=_get(body, "min_tokens", int, 0),
+            stop=_stop(body),
+            stop_token_ids=_int_list(body, "stop_token_ids"),
+            ignore_eos=_get(body, "ignore_eos", bool, False),
+            logprobs=logprobs,
+            skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        )
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    return _get(body, "model", str)
+
+
+# --- requests --------------------------------------------------------------------------------
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a /v1/completions body."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError(400, "prompt: is required", param="prompt")
+    prompts = _prompts(body["prompt"])
+    stream = _get(body, "stream", bool, False)
+    echo = _get(body, "echo", bool, False)
+    logprobs = _get(body, "logprobs", int)
+    if echo and logprobs is not None:
+        raise APIError(
+            400,
+            "echo: cannot be combined with logprobs (prompt log-probabilities are not computed)",
+            param="echo",
+        )
+    return CompletionRequest(
+        model=_model(body),
+        prompts=prompts,
+        params=_sampling_params(body, _get(body, "max_tokens", int, 16), logprobs),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        echo=echo,
+    )
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x
+        )
+
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif is_ids(prompt) and prompt:
+        prompts = [prompt]
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)) or (isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt)):
+        prompts = list(prompt)
+    else:
+        raise APIError(
+            400,
+            "prompt: must be a non-empty string, array of strings, array of token ids or "
+            "array of token-id arrays",
+            param="prompt",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(prompts)}",
+                       param="prompt")  # fmt: skip
+    for p in prompts:
+        if len(p) == 0:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+    return prompts
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    messages = _messages(body.get("messages"))
+    stream = _get(body, "stream", bool, False)
+    max_tokens = _get(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int)
+    want_logprobs = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int)
+    if top is not None and not want_logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}",
+                       param="top_logprobs")  # fmt: skip
+    logprobs = (top or 0) if want_logprobs else None
+    return ChatRequest(
+        model=_model(body),
+        messages=messages,
+        params=_sampling_params(body, max_tokens, logprobs),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+    )
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: must be a non-empty array", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(400, f"{where}: must be an object", param=where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                param=f"{where}.role",
+            )
+        out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise APIError(
+                    400,
+                    f"{where}.content[{j}]: only text parts are supported "
+                    '({"type": "text", "text": ...})',
+                    param=f"{where}.content",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise APIError(400, f"{where}.content[{j}].text: must be a string",
+                               param=f"{where}.content")  # fmt: skip
+            texts.append(text)
+        return "".join(texts)
+    raise APIError(
+        400, f"{where}.content: must be a string or an array of text parts",
+        param=f"{where}.content",
+    )  # fmt: skip
+
+
+# --- responses -------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob], token_text: TokenText, text_offset: int
+) -> dict[str, Any]:
+    """The legacy completions logprobs object for the given tokens."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for e in entries:
+        t = token_text(e.token_id)
+        tokens.append(t)
+        token_logprobs.append(_lp(e.logprob))
+        top.append({token_text(i): _lp(lp) for i, lp in e.top})
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    """The chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        t = token_text(token_id)
+        return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode())}
+
+    return {
+        "content": [
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+            for e in entries
+        ]
+    }
+
+
+@dataclass(slots=True)
+class ChoiceCursor:
+    """What has been sent of one choice so far, to turn cumulative outputs into deltas."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: offset of the next token in the full text
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def take_delta(cursor: ChoiceCursor, out: CompletionOutput) -> Delta | None:
+    """The new part of `out` since `cursor`, or None when nothing is new."""
+    if cursor.done:
+        return None
+    text = out.text[cursor.text_len :]
+    new_lp = (out.logprobs or [])[cursor.num_tokens :] if out.logprobs is not None else []
+    if not text and not new_lp and out.finish_reason is None:
+        return None
+    cursor.text_len = len(out.text)
+    cursor.num_tokens = len(out.token_ids)
+    cursor.done = out.finish_reason is not None
+    return Delta(text, list(new_lp), out.finish_reason)
+
+
+def now() -> int:
+    return int(time.time())

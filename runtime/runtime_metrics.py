@@ -1,0 +1,142 @@
+"""The runtime's Prometheus metrics, named as vLLM names them (kvfleet.contract) so existing
+dashboards, alerts and the operator's autoscaler read them unchanged.
+
+Latency histograms are observed from the engine thread through the EngineObserver hooks
+(prometheus-client is thread-safe). Gauges and counters are read at scrape time from the
+engine thread's published `EngineStats` snapshot, so the exposed counters are exactly the
+engine's own and never drift from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfleet import contract
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.async_engine import EngineStats
+    from kvfleet.runtime.request import Request
+
+# vLLM's buckets: sub-10 ms steps on a GPU up to minutes for long CPU generations.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class RuntimeMetrics:
+    """One registry per server: the EngineObserver for histograms plus a collector for the
+    engine's gauges and counters."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = [contract.MODEL_NAME_LABEL]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            h = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            return h.labels(model_name)  # type: ignore[return-value]
+
+        self._ttft = histogram(
+            contract.TIME_TO_FIRST_TOKEN, "Time from arrival to the first token.", TTFT_BUCKETS
+        )
+        self._itl = histogram(
+            contract.INTER_TOKEN_LATENCY, "Time between consecutive output tokens.", ITL_BUCKETS
+        )
+        self._e2e = histogram(
+            contract.E2E_REQUEST_LATENCY,
+            "Time from arrival to the last token of a finished request.",
+            REQUEST_BUCKETS,
+        )
+        self._queue = histogram(
+            contract.REQUEST_QUEUE_TIME,
+            "Time a request waited before it was first scheduled.",
+            REQUEST_BUCKETS,
+        )
+        self.registry.register(_EngineCollector(model_name, stats))
+
+    # --- EngineObserver (called from the engine thread) --------------------------------------
+    def on_first_token(self, request: Request, now: float) -> None:
+        self._ttft.observe(max(now - request.arrival_time, 0.0))
+        if request.first_scheduled_time is not None:
+            self._queue.observe(max(request.first_scheduled_time - request.arrival_time, 0.0))
+
+    def on_token(self, request: Request, now: float) -> None:
+        if request.last_token_time is not None:
+            self._itl.observe(max(now - request.last_token_time, 0.0))
+
+    def on_finished(self, request: Request, now: float) -> None:
+        # Aborted requests are counted by reason but left out of the latency histogram: a
+        # client hanging up says nothing about how fast the server is.
+        if request.finish_reason != "abort":
+            self._e2e.observe(max(now - request.arrival_time, 0.0))
+
+    def exposition(self) -> bytes:
+        """The text format served on /metrics."""
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        from kvfleet.runtime.async_engine import EngineStats
+
+        s = self._stats() or EngineStats()
+        label = [contract.MODEL_NAME_LABEL]
+        value = [self._model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=label)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=label)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge(contract.NUM_REQUESTS_RUNNING, "Requests in the running batch.", s.num_running)
+        yield gauge(
+            contract.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.", s.num_waiting
+        )
+        yield gauge(
+            contract.KV_CACHE_USAGE_PERC,
+            "Fraction of KV-cache blocks held by live requests (1 = full).",
+            s.kv_cache_usage,
+        )
+        yield counter(contract.PROMPT_TOKENS, "Prompt tokens received.", s.prompt_tokens)
+        yield counter(contract.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens)
+        yield counter(
+            contract.NUM_PREEMPTIONS, "Requests preempted for KV-cache space.", s.num_preemptions
+        )
+        yield counter(
+            contract.PREFIX_CACHE_QUERIES,
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield counter(
+            contract.PREFIX_CACHE_HITS,
+            "Prompt tokens found in the prefix cache.",
+            s.prefix_cache_hits,
+        )
+        success = CounterMetricFamily(
+            contract.REQUEST_SUCCESS,
+            "Finished requests by finish reason.",
+            labels=[contract.MODEL_NAME_LABEL, contract.FINISHED_REASON_LABEL],
+        )
+        # Every usual reason is present from the start, so rate() sees the first one.
+        for reason in sorted(set(FINISH_REASONS) | set(s.finished)):
+            success.add_metric([self._model_name, reason], s.finished.get(reason, 0))
+        yield success

@@ -1,0 +1,519 @@
+"""The OpenAI-compatible HTTP server: aiohttp routes over an AsyncEngine.
+
+Handlers parse and validate (openai_protocol), tokenize, then await the engine's per-request
+stream; they never run a forward pass. Admission is refused (503) while loading, while
+draining, and when more than `max_waiting_requests` are already queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from kvfleet.runtime import openai_protocol as proto
+from kvfleet.runtime.async_engine import EngineDeadError
+from kvfleet.runtime.openai_protocol import APIError
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvfleet import __version__, contract
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.async_engine import AsyncEngine
+    from kvfleet.runtime.request import RequestOutput
+    from kvfleet.runtime.runtime_metrics import RuntimeMetrics
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({contract.HEALTH_PATH, contract.METRICS_PATH, contract.VERSION_PATH})
+RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """The HTTP layer's own limits (the engine's are in EngineConfig)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int = 256
+    max_body_bytes: int = 1024 * 1024
+
+
+class OpenAIServer:
+    """Routes and admission state. `ready` is set after the warm-up generation; `draining`
+    by the SIGTERM handler."""
+
+    def __init__(
+        self, engine: AsyncEngine, metrics: RuntimeMetrics, settings: ServerSettings
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.settings = settings
+        self.ready = False
+        self.draining = False
+        self._active = 0  # API requests being handled, for the drain
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._created = proto.now()
+        self._token_text_cache: dict[int, str] = {}
+
+    # --- app ---------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        # The body limit is checked by us (for the OpenAI error shape); aiohttp's own limit is
+        # set just above it as a backstop.
+        app = web.Application(
+            middlewares=[self._errors, self._auth], client_max_size=self.settings.max_body_bytes + 1
+        )
+        app.router.add_get(contract.HEALTH_PATH, self.health)
+        app.router.add_get(contract.METRICS_PATH, self.metrics_page)
+        app.router.add_get(contract.VERSION_PATH, self.version)
+        app.router.add_get(contract.MODELS_PATH, self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no API request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # --- middlewares -------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return _error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error_response(APIError(exc.status, exc.reason or str(exc)))
+        except EngineDeadError as exc:
+            return _error_response(APIError(503, str(exc), code="engine_unavailable"))
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        key = self.settings.api_key
+        if key and request.path not in OPEN_PATHS:
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or token.strip() != key:
+                raise APIError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+        return await handler(request)
+
+    # --- open endpoints ----------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self.ready:
+            return web.json_response({"status": "loading"}, status=503)
+        if not self.engine.is_alive:
+            return web.json_response({"status": "engine stopped"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.exposition())
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    async def models(self, request: web.Request) -> web.Response:
+        e = self.engine.engine
+        card = {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "kvfleet",
+            "root": self.engine.config.model,
+            "max_model_len": e.max_model_len if e is not None else None,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    # --- generation --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        req = proto.parse_completion_request(body)
+        self._admit(req.model, len(req.prompts))
+        engine = self._engine()
+        prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+        self._validate(prompts, req.params)
+        echo_texts = (
+            [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in req.prompts]
+            if req.echo
+            else None
+        )
+        with self._track():
+            if req.stream:
+                return await self._stream_completion(request, req, prompts, echo_texts)
+            return await self._full_completion(req, prompts, echo_texts)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        req = proto.parse_chat_request(body)
+        self._admit(req.model, 1)
+        engine = self._engine()
+        try:
+            prompt = engine.apply_chat_template(req.messages)
+        except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+            raise APIError(400, f"messages: the chat template rejected them: {exc}",
+                           param="messages") from exc  # fmt: skip
+        self._validate([prompt], req.params)
+        with self._track():
+            if req.stream:
+                return await self._stream_chat(request, req, prompt)
+            return await self._full_chat(req, prompt)
+
+    # --- admission ---------------------------------------------------------------------------
+    async def _json(self, request: web.Request) -> Any:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise APIError(413, f"body: {request.content_length} bytes exceeds the limit of "
+                           f"{limit} bytes (--max-body-bytes)", code="body_too_large")  # fmt: skip
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise APIError(413, f"body: exceeds the limit of {limit} bytes (--max-body-bytes)",
+                           code="body_too_large") from exc  # fmt: skip
+        if len(raw) > limit:
+            raise APIError(413, f"body: {len(raw)} bytes exceeds the limit of {limit} bytes "
+                           "(--max-body-bytes)", code="body_too_large")  # fmt: skip
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"body: not valid JSON ({exc})", code="invalid_json") from exc
+
+    def _admit(self, model: str | None, num_requests: int) -> None:
+        if self.draining:
+            raise _unavailable("the server is shutting down; retry on another replica")
+        if not self.ready:
+            raise _unavailable("the model is still loading")
+        if model is not None and model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"model: {model!r} is not served here; this server serves "
+                f"{self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        pending = self.engine.num_pending
+        limit = self.settings.max_waiting_requests
+        if pending + num_requests > limit:
+            raise _unavailable(
+                f"{pending} requests are already waiting (--max-waiting-requests {limit}); "
+                f"retry after {RETRY_AFTER_S} s",
+                code="queue_full",
+            )
+
+    def _engine(self) -> Any:
+        engine = self.engine.engine
+        if engine is None:
+            raise _unavailable("the model is still loading")
+        return engine
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        from kvfleet.runtime.engine import RequestError
+
+        for ids in prompts:
+            try:
+                self.engine.engine.validate(ids, params)  # type: ignore[union-attr]
+            except RequestError as exc:
+                raise APIError(400, str(exc), param=exc.field) from exc
+
+    def _track(self) -> _Tracker:
+        return _Tracker(self)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self._engine().tokenizer.decode([token_id])
+            if len(self._token_text_cache) < 200_000:
+                self._token_text_cache[token_id] = text
+        return text
+
+    async def _outputs(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prompt as one engine request; yield (prompt index, cumulative output) as
+        they come. Leaving early aborts whatever is still running."""
+        base = uuid.uuid4().hex
+        if len(prompts) == 1:
+            async for out in self.engine.generate(f"{base}-0", prompts[0], params):
+                yield 0, out
+            return
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for out in self.engine.generate(f"{base}-{i}", ids, params):
+                    merged.put_nowait((i, out))
+                merged.put_nowait((i, None))
+            except Exception as exc:
+                merged.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _full_completion(
+        self, req: proto.CompletionRequest, prompts: list[list[int]], echo: list[str] | None
+    ) -> web.Response:
+        n = req.params.n
+        final: dict[int, RequestOutput] = {}
+        async for i, out in self._outputs(prompts, req.params):
+            if out.finished:
+                final[i] = out
+        choices = []
+        completion_tokens = 0
+        for i in range(len(prompts)):
+            for c in final[i].outputs:
+                completion_tokens += len(c.token_ids)
+                prefix = echo[i] if echo else ""
+                choices.append(
+                    {
+                        "index": i * n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": (
+                            proto.completion_logprobs(c.logprobs, self._token_text, 0)
+                            if c.logprobs is not None
+                            else None
+                        ),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": proto.now(),
+                "model": self.settings.model_name,
+                "choices": choices,
+                "usage": proto.usage(sum(map(len, prompts)), completion_tokens),
+            }
+        )
+
+    async def _full_chat(self, req: proto.ChatRequest, prompt: list[int]) -> web.Response:
+        final: RequestOutput | None = None
+        async for _, out in self._outputs([prompt], req.params):
+            final = out
+        assert final is not None and final.finished
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": (
+                    proto.chat_logprobs(c.logprobs, self._token_text)
+                    if c.logprobs is not None
+                    else None
+                ),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": proto.now(),
+                "model": self.settings.model_name,
+                "choices": choices,
+                "usage": proto.usage(len(prompt), completion_tokens),
+            }
+        )
+
+    async def _stream_completion(
+        self,
+        request: web.Request,
+        req: proto.CompletionRequest,
+        prompts: list[list[int]],
+        echo: list[str] | None,
+    ) -> web.StreamResponse:
+        n = req.params.n
+        sse = _SSE(request, f"cmpl-{uuid.uuid4().hex}", "text_completion", self.settings,
+                   req.include_usage)  # fmt: skip
+        await sse.open()
+        cursors = {(i, k): proto.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
+        if echo:
+            for i, text in enumerate(echo):
+                for k in range(n):
+                    await sse.send([_text_choice(i * n + k, text, None, None)])
+        completion_tokens = 0
+        try:
+            async for i, out in self._outputs(prompts, req.params):
+                chunk = []
+                for c in out.outputs:
+                    cursor = cursors[(i, c.index)]
+                    offset = cursor.text_offset
+                    delta = proto.take_delta(cursor, c)
+                    if delta is None:
+                        continue
+                    lp = None
+                    if c.logprobs is not None:
+                        lp = proto.completion_logprobs(delta.logprobs, self._token_text, offset)
+                        cursor.text_offset = offset + sum(len(t) for t in lp["tokens"])
+                    chunk.append(_text_choice(i * n + c.index, delta.text, lp,
+                                              delta.finish_reason))  # fmt: skip
+                    if delta.finish_reason is not None:
+                        completion_tokens += len(c.token_ids)
+                if chunk:
+                    await sse.send(chunk)
+        except EngineDeadError as exc:
+            await sse.error(APIError(503, str(exc), code="engine_unavailable"))
+            return sse.response
+        await sse.finish(proto.usage(sum(map(len, prompts)), completion_tokens))
+        return sse.response
+
+    async def _stream_chat(
+        self, request: web.Request, req: proto.ChatRequest, prompt: list[int]
+    ) -> web.StreamResponse:
+        sse = _SSE(request, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",
+                   self.settings, req.include_usage)  # fmt: skip
+        await sse.open()
+        n = req.params.n
+        cursors = [proto.ChoiceCursor() for _ in range(n)]
+        await sse.send([_chat_choice(k, {"role": "assistant", "content": ""}, None, None)
+                        for k in range(n)])  # fmt: skip
+        completion_tokens = 0
+        try:
+            async for _, out in self._outputs([prompt], req.params):
+                chunk = []
+                finals = []
+                for c in out.outputs:
+                    delta = proto.take_delta(cursors[c.index], c)
+                    if delta is None:
+                        continue
+                    lp = (
+                        proto.chat_logprobs(delta.logprobs, self._token_text)
+                        if c.logprobs is not None
+                        else None
+                    )
+                    if delta.text or lp:
+                        chunk.append(_chat_choice(c.index, {"content": delta.text}, lp, None))
+                    if delta.finish_reason is not None:
+                        # finish_reason travels alone in the choice's last chunk.
+                        finals.append(_chat_choice(c.index, {}, None, delta.finish_reason))
+                        completion_tokens += len(c.token_ids)
+                if chunk:
+                    await sse.send(chunk)
+                if finals:
+                    await sse.send(finals)
+        except EngineDeadError as exc:
+            await sse.error(APIError(503, str(exc), code="engine_unavailable"))
+            return sse.response
+        await sse.finish(proto.usage(len(prompt), completion_tokens))
+        return sse.response
+
+
+class _Tracker:
+    """Counts an API request as in flight for the drain."""
+
+    __slots__ = ("_server",)
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self._server = server
+
+    def __enter__(self) -> None:
+        self._server._active += 1
+        self._server._idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._server._active -= 1
+        if self._server._active == 0:
+            self._server._idle.set()
+
+
+class _SSE:
+    """A Server-Sent Events response of OpenAI chunks, ending in `data: [DONE]`."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        chunk_id: str,
+        obj: str,
+        settings: ServerSettings,
+        include_usage: bool,
+    ) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        self._base = {"id": chunk_id, "object": obj, "created": proto.now(),
+                      "model": settings.model_name}  # fmt: skip
+        self._include_usage = include_usage
+
+    async def open(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def _write(self, payload: str) -> None:
+        await self.response.write(f"data: {payload}\n\n".encode())
+
+    async def send(self, choices: list[dict[str, Any]]) -> None:
+        chunk = {**self._base, "choices": choices}
+        if self._include_usage:
+            chunk["usage"] = None
+        await self._write(json.dumps(chunk))
+
+    async def finish(self, usage: dict[str, int]) -> None:
+        if self._include_usage:
+            await self._write(json.dumps({**self._base, "choices": [], "usage": usage}))
+        await self._write("[DONE]")
+        await self.response.write_eof()
+
+    async def error(self, exc: APIError) -> None:
+        await self._write(json.dumps(exc.body()))
+        await self._write("[DONE]")
+        await self.response.write_eof()
+
+
+def _text_choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _chat_choice(
+    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _unavailable(message: str, code: str = "unavailable") -> APIError:
+    return APIError(503, message, code=code)
+
+
+def _error_response(exc: APIError) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
