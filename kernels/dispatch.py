@@ -77,7 +77,7 @@ def paged_attention(
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """(norm(x + residual) * weight, x + residual); with no residual the second is x itself."""
+    """(norm(x + residual) * weight in x's dtype, x + residual in float32)."""
     if use_triton(x):
         from kvfleet.kernels import triton_rms_norm
 

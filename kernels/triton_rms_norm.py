@@ -23,28 +23,26 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    WRITE_SUM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        # Round the sum to the storage dtype first, as the reference (and the next layer) sees it.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        x += tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    if WRITE_SUM:
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_o + offs, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    tl.store(out_ptr + row * stride_o + offs, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual) * weight, x + residual); with no residual the second is x itself."""
+    """(norm(x + residual) * weight in x's dtype, x + residual in float32) — the reference's
+    contract: the residual stream stays float32."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({hidden},)")
@@ -53,12 +51,18 @@ def rms_norm(
         x2 = x2.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"rms_norm: residual shape {tuple(residual.shape)} != {tuple(x.shape)}"
+            )
         r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
-        r2, summed = x2, out  # unused: HAS_RESIDUAL is a compile-time False
+        r2 = x2  # unused: HAS_RESIDUAL is a compile-time False
+    # Without a residual a float32 x already is the float32 stream (as x.float() returns x).
+    write_sum = residual is not None or x.dtype != torch.float32
+    summed = torch.empty(x.shape, dtype=torch.float32, device=x.device) if write_sum else x
     rows = x2.shape[0]
     if rows:
         _rms_norm_kernel[(rows,)](
@@ -75,5 +79,6 @@ def rms_norm(
             HIDDEN=hidden,
             BLOCK=triton.next_power_of_2(hidden),
             HAS_RESIDUAL=residual is not None,
+            WRITE_SUM=write_sum,
         )
-    return out, (summed if residual is not None else x)
+    return out, summed
