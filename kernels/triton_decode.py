@@ -11,6 +11,7 @@ and a second kernel merges the splits with the log-sum-exp rule.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -158,7 +159,9 @@ def _reduce_splits_kernel(
     )
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    # Cached: decode runs once per layer per step, and the property query is not free.
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _FALLBACK_SMS
