@@ -84,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "kernels",
         help="time the Triton attention kernels against measured copy bandwidth and matmul rate",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per shape (default 5)")
