@@ -9,6 +9,7 @@ queues. When there is nothing to do the thread sleeps on a condition (no busy lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -234,10 +235,9 @@ class AsyncEngine:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        try:
+        # The loop may close between the check and the call (shutdown): nothing to tell then.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed between the check and the call
-            pass
 
     # --- on the event loop -------------------------------------------------------------------
     def _set_loaded(self, exc: BaseException | None) -> None:

@@ -1,0 +1,244 @@
+"""`kvfleet serve` through the official openai client: completions and chat, streaming and not,
+n > 1, stop, logprobs, seeds, usage, 64 concurrent streams against the offline API, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from server_fixtures import ServerProcess, metric, running_server, scrape, wait_for_metric
+
+from kvfleet import contract
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve-api")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI, tiny_llama_dir: Path) -> str:
+    models = client.models.list().data
+    assert [m.id for m in models] == [tiny_llama_dir.name]
+    return models[0].id
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path):
+    from kvfleet.runtime import LLM
+
+    return LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB")
+
+
+def test_completion_matches_the_offline_api_and_counts_usage(client, model, offline):
+    from kvfleet.runtime import SamplingParams
+
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                  temperature=0)  # fmt: skip
+    want = offline.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=12)
+    )
+    assert r.choices[0].text == want[0].outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(want[0].prompt_token_ids)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_token_id_prompts_and_prompt_lists_give_one_choice_each(client, model, offline):
+    ids = offline.tokenizer.encode("Once upon a time", add_special_tokens=False)
+    by_text = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
+                                        temperature=0)  # fmt: skip
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(model=model, prompt=["Once upon a time", "Hello"], max_tokens=5,
+                                     temperature=0, n=2)  # fmt: skip
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    first = [c.text for c in many.choices if c.index in (0, 1)]
+    assert first[0] == first[1]  # greedy: the same completion twice
+    assert by_text.choices[0].text.startswith(first[0])
+    assert many.usage.prompt_tokens == len(ids) + len(offline.tokenizer.encode("Hello"))
+    assert many.usage.completion_tokens == 4 * 5
+
+
+def test_echo_prepends_the_prompt(client, model):
+    r = client.completions.create(model=model, prompt="Echo me", max_tokens=3, temperature=0,
+                                  echo=True)  # fmt: skip
+    assert r.choices[0].text.startswith("Echo me")
+    assert len(r.choices[0].text) > len("Echo me")
+
+
+def test_streamed_completion_equals_the_unstreamed_one(client, model):
+    args = {"model": model, "prompt": "Stream this", "max_tokens": 10, "temperature": 0}
+    full = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stop_string_cuts_the_text_before_it(client, model):
+    args = {"model": model, "prompt": "Tell me a story", "max_tokens": 16, "temperature": 0}
+    full = client.completions.create(**args).choices[0].text
+    stop = full[6:10]
+    want = full[: full.find(stop)]
+    r = client.completions.create(**args, stop=[stop])
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**args, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_repeatable(client, model):
+    args = {"model": model, "prompt": "Random words:", "max_tokens": 12, "temperature": 1.0}
+    a = client.completions.create(**args, seed=1234).choices[0].text
+    b = client.completions.create(**args, seed=1234).choices[0].text
+    c = client.completions.create(**args, seed=4321).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_n_completions_are_independent_samples(client, model):
+    r = client.completions.create(model=model, prompt="Pick:", max_tokens=8, temperature=1.0,
+                                  n=3, seed=7)  # fmt: skip
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 24
+
+
+def test_completion_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="Logprobs", max_tokens=5, temperature=0,
+                                  logprobs=3)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3
+        assert chosen <= 0
+        assert chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the best
+
+
+def test_chat_matches_the_offline_chat(client, model, offline):
+    from kvfleet.runtime import SamplingParams
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                             {"type": "text", "text": "there"}]}]  # fmt: skip
+    r = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=9,
+                                       temperature=0)  # fmt: skip
+    plain = [messages[0], {"role": "user", "content": "Hi there"}]
+    want = offline.chat(plain, SamplingParams(temperature=0, max_tokens=9))[0]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_streamed_chat_sends_role_first_finish_last_and_usage(client, model):
+    args = {"model": model, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 7,
+            "temperature": 0, "n": 2}  # fmt: skip
+    full = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    for k in range(2):
+        mine = [ch for c in chunks if c.choices for ch in c.choices if ch.index == k]
+        assert mine[0].delta.role == "assistant"
+        assert mine[-1].finish_reason == full.choices[k].finish_reason
+        assert all(ch.finish_reason is None for ch in mine[:-1])
+        assert "".join(ch.delta.content or "" for ch in mine) == full.choices[k].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_chat_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert 1 <= len(c.top_logprobs) <= 2
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-4)
+        assert bytes(c.bytes).decode() == c.token
+
+
+async def test_64_concurrent_streams_equal_the_offline_api(server, model, offline):
+    from kvfleet.runtime import SamplingParams
+
+    prompts = [f"Request number {i} says" for i in range(64)]
+    lengths = [4 + i % 13 for i in range(64)]
+    want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
+    client = openai.AsyncOpenAI(base_url=server.api_url, api_key="unused", max_retries=0,
+                                timeout=120)  # fmt: skip
+
+    async def one(prompt: str, n: int) -> str:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                                 temperature=0, stream=True)  # fmt: skip
+        return "".join([c.choices[0].text async for c in stream])
+
+    got = await asyncio.wait_for(asyncio.gather(*map(one, prompts, lengths)), 150)
+    await client.close()
+    assert got == [w.outputs[0].text for w in want]
+
+
+def test_metrics_are_pinned_and_token_counters_match_usage(server, client, model):
+    before = scrape(server)
+    names = {n for n, _ in before}
+    assert contract.exposed_names() <= names
+    assert all(dict(labels).get("model_name") == model for n, labels in before
+               if n.startswith("vllm:"))  # fmt: skip
+    r = client.completions.create(model=model, prompt=["Count the tokens", "Twice"],
+                                  max_tokens=9, temperature=0.5, n=2)  # fmt: skip
+    after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == r.usage.completion_tokens
+    assert delta("vllm:request_success_total", finished_reason="length") == 4
+    assert delta("vllm:e2e_request_latency_seconds_count") == 4
+    assert delta("vllm:time_to_first_token_seconds_count") == 4
+    assert delta("vllm:inter_token_latency_seconds_count") == 4 * 8
+    assert delta("vllm:prefix_cache_queries_total") >= r.usage.prompt_tokens
+
+
+def test_disconnect_mid_stream_frees_the_kv_cache(server, model):
+    body = {"model": model, "prompt": "Go on forever", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True, "temperature": 0}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:  # a few tokens in: the request is running and holds KV blocks
+        line = resp.readline()
+        assert line, "the stream ended before the client hung up"
+        events += line.startswith(b"data: ")
+    assert metric(scrape(server), contract.KV_CACHE_USAGE_PERC) > 0
+    assert metric(scrape(server), contract.NUM_REQUESTS_RUNNING) == 1
+    conn.sock.close()  # hang up mid-stream
+    conn.close()
+    wait_for_metric(server, contract.KV_CACHE_USAGE_PERC, lambda v: v == 0)
+    wait_for_metric(server, contract.NUM_REQUESTS_RUNNING, lambda v: v == 0)
+    samples = scrape(server)
+    assert metric(samples, "vllm:request_success_total", finished_reason="abort") >= 1
