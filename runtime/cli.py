@@ -23,6 +23,19 @@ COMMAND_MODULES = (
 )
 
 
+def register_commands(sub: argparse._SubParsersAction, modules: tuple[str, ...]) -> None:
+    """Call each command module's `register(sub)`. A module absent from this checkout is
+    skipped (so is its command); an import error inside a present module is raised."""
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfleet",
@@ -30,15 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvfleet {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            # Only tolerate the command module itself being absent from a partial checkout.
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+    register_commands(sub, COMMAND_MODULES)
     return parser
 
 

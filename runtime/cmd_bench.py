@@ -1,0 +1,21 @@
+"""`kvfleet bench {throughput,serve,kernels}`: speed claims are measured, with their baseline in
+the same run. Each sub-command lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+
+BENCH_MODULES = (
+    "kvfleet.runtime.bench_throughput",
+    "kvfleet.runtime.bench_serve",
+    "kvfleet.kernels.bench",
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from kvfleet.runtime.cli import register_commands
+
+    p = sub.add_parser("bench", help="benchmarks: throughput, serve, kernels",
+                       description="Measure kvfleet against a baseline in the same run.")  # fmt: skip
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    register_commands(bench_sub, BENCH_MODULES)
