@@ -1,0 +1,51 @@
+"""`kvfleet serve` with the bundled SmolLM2-135M-Instruct: the answers a user checks by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from kvfleet.runtime.served_name import BUNDLED_NAME
+from server_fixtures import ServerProcess, running_server
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(bundled_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(
+        "bundled",
+        tmp_path_factory.mktemp("serve-bundled"),
+        "--num-threads",
+        "2",
+        "--max-model-len",
+        "1024",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_lists_the_bundled_name(client):
+    assert [m.id for m in client.models.list().data] == [BUNDLED_NAME]
+
+
+def test_chat_answers_paris(client):
+    r = client.chat.completions.create(model=BUNDLED_NAME, messages=QUESTION, max_tokens=24,
+                                       temperature=0)  # fmt: skip
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_streamed_chat_answers_paris_and_stops_on_its_own(client):
+    stream = client.chat.completions.create(model=BUNDLED_NAME, messages=QUESTION,
+                                            max_tokens=64, temperature=0, stream=True)  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert "Paris" in text
+    assert chunks[-1].choices[0].finish_reason == "stop"  # end-of-turn, not the token limit
