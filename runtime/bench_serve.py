@@ -1,0 +1,315 @@
+"""`kvfleet bench serve`: drive any OpenAI-compatible server with the standard workload (streamed
+completions, token-id prompts, ignore_eos so every request produces its output length) and
+report request/s, output tokens/s, TTFT, inter-token and end-to-end latency percentiles.
+
+Scenario flags measure a feature against its off-switch in the same command (`--spawn` starts
+the server once per setting): `--shared-prefix N` (prefix caching on vs off, TTFT) and
+`--long-prompt-every K` (chunked prefill on vs off, inter-token latency p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvfleet.runtime.config import add_engine_args
+
+LONG_PROMPT_TOKENS = 2048
+SHARED_PREFIX_CONCURRENCY = 8
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="latency and throughput of an OpenAI-compatible server",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server to drive (ignored with --spawn)")  # fmt: skip
+    p.add_argument("--spawn", action="store_true",
+                   help="start `kvfleet serve` with the engine flags below, once per setting")  # fmt: skip
+    p.add_argument("--serve-args", default="",
+                   help="extra flags for the spawned server, as one string")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="every prompt starts with the same TOKENS-token text; prefix caching "
+                   f"on vs off at concurrency {SHARED_PREFIX_CONCURRENCY} (needs --spawn)")  # fmt: skip
+    p.add_argument("--long-prompt-every", type=int, default=0, metavar="K",
+                   help=f"every K-th request has a {LONG_PROMPT_TOKENS}-token prompt; chunked "
+                   "prefill on vs off (needs --spawn)")  # fmt: skip
+    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One pass over the workload; latencies in seconds."""
+
+    concurrency: int
+    num_requests: int
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    errors: int
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p90: float
+    itl_p99: float
+    e2e_p50: float
+    e2e_p90: float
+    e2e_p99: float
+    first_error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); 0.0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(records: list[RequestRecord], duration: float, concurrency: int) -> RunResult:
+    good = [r for r in records if r.ok]
+    ttft = [r.ttft for r in good]
+    itl = [x for r in good for x in r.itls]
+    e2e = [r.e2e for r in good]
+    tokens = sum(r.output_tokens for r in good)
+    errors = [r for r in records if not r.ok]
+    return RunResult(
+        concurrency=concurrency,
+        num_requests=len(records),
+        duration_s=duration,
+        requests_per_s=len(good) / duration if duration else 0.0,
+        output_tokens_per_s=tokens / duration if duration else 0.0,
+        errors=len(errors),
+        ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
+        itl_p50=percentile(itl, 50), itl_p90=percentile(itl, 90), itl_p99=percentile(itl, 99),
+        e2e_p50=percentile(e2e, 50), e2e_p90=percentile(e2e, 90), e2e_p99=percentile(e2e, 99),
+        first_error=errors[0].error if errors else "",
+    )  # fmt: skip
+
+
+async def _one(
+    session: Any, url: str, model: str, prompt: list[int], output_len: int, timeout: float
+) -> RequestRecord:
+    import aiohttp
+
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    last = start
+    rec = RequestRecord(ok=False)
+    chunks = 0
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    rec.error = str(data["error"].get("message"))
+                    return rec
+                if data.get("usage"):
+                    rec.output_tokens = data["usage"]["completion_tokens"]
+                if not any(c.get("text") for c in data.get("choices") or []):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    rec.ttft = now - start
+                else:
+                    rec.itls.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as exc:  # a benchmark reports failures, it does not stop at the first
+        rec.error = f"{type(exc).__name__}: {exc}"
+        return rec
+    rec.e2e = time.perf_counter() - start
+    rec.output_tokens = rec.output_tokens or chunks
+    rec.ok = True
+    return rec
+
+
+async def drive(
+    url: str, workload: list[tuple[list[int], int]], concurrency: int, timeout: float
+) -> RunResult:
+    """Send every request, at most `concurrency` at once, and summarize."""
+    import asyncio
+
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.get(f"{url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        sem = asyncio.Semaphore(concurrency)
+
+        async def limited(prompt: list[int], n: int) -> RequestRecord:
+            async with sem:
+                return await _one(session, url, model, prompt, n, timeout)
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*(limited(p, n) for p, n in workload))
+        duration = time.perf_counter() - start
+    return summarize(list(records), duration, concurrency)
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], int]]:
+    """The standard workload, with the scenario's shared prefix or long prompts mixed in."""
+    import numpy as np
+    from kvfleet.runtime.bench_workload import standard_workload
+
+    items = [(w.prompt_token_ids, w.output_len)
+             for w in standard_workload(tokenizer, args.num_prompts, args.workload_seed)]  # fmt: skip
+    rng = np.random.default_rng(args.workload_seed + 1)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    pool = np.array([t for t in range(len(tokenizer)) if t not in special])
+    if args.shared_prefix:
+        prefix = rng.choice(pool, size=args.shared_prefix).tolist()
+        items = [(prefix + p, n) for p, n in items]
+    if args.long_prompt_every:
+        for i in range(0, len(items), args.long_prompt_every):
+            items[i] = (rng.choice(pool, size=LONG_PROMPT_TOKENS).tolist(), items[i][1])
+    return items
+
+
+def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--model", args.model, "--dtype", args.dtype,
+            "--device", args.device, "--block-size", str(args.block_size),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-waiting-requests", str(max(args.num_prompts, 256)), "--log-level", "warning"]  # fmt: skip
+    for flag, value in (("--max-model-len", args.max_model_len),
+                        ("--kv-cache-memory", args.kv_cache_memory),
+                        ("--num-threads", args.num_threads),
+                        ("--served-model-name", args.served_model_name)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + toggles + shlex.split(args.serve_args)
+
+
+async def _run_spawned(
+    args: argparse.Namespace, toggles: list[str], workload: list[tuple[list[int], int]],
+    concurrency: int,
+) -> RunResult:  # fmt: skip
+    import asyncio
+    import signal
+    import socket
+    import subprocess
+
+    import aiohttp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(_serve_argv(args, port, toggles))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the spawned server exited {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the spawned server was not healthy within 600 s")
+                try:
+                    async with session.get(f"{url}/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.5)
+        print(f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
+              f"{len(workload)} requests at concurrency {concurrency}", file=sys.stderr)  # fmt: skip
+        return await drive(url, workload, concurrency, args.timeout)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    from kvfleet.runtime.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    workload = build_workload(args, tokenizer)
+    result: dict[str, Any] = {"num_prompts": args.num_prompts, "workload_seed": args.workload_seed}
+
+    async def pair(name: str, metric: str, on: list[str], off: list[str], conc: int) -> None:
+        r_on = await _run_spawned(args, on, workload, conc)
+        r_off = await _run_spawned(args, off, workload, conc)
+        key = metric.split("_")[0]
+        result.update(asdict(r_on))
+        result[f"{metric}_on"] = getattr(r_on, metric)
+        result[f"{metric}_off"] = getattr(r_off, metric)
+        on_v = getattr(r_on, metric)
+        result[f"{key}_ratio"] = getattr(r_off, metric) / on_v if on_v else None
+        result[name] = {"on": asdict(r_on), "off": asdict(r_off)}
+
+    if args.shared_prefix:
+        result["shared_prefix_tokens"] = args.shared_prefix
+        await pair("prefix_caching", "ttft_p50", ["--enable-prefix-caching"],
+                   ["--no-enable-prefix-caching"], SHARED_PREFIX_CONCURRENCY)  # fmt: skip
+    elif args.long_prompt_every:
+        result["long_prompt_every"] = args.long_prompt_every
+        await pair("chunked_prefill", "itl_p99", ["--enable-chunked-prefill"],
+                   ["--no-enable-chunked-prefill"], args.concurrency)  # fmt: skip
+    elif args.spawn:
+        result.update(asdict(await _run_spawned(args, [], workload, args.concurrency)))
+    else:
+        result.update(asdict(await drive(args.url, workload, args.concurrency, args.timeout)))
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    if (args.shared_prefix or args.long_prompt_every) and not args.spawn:
+        print("kvfleet bench serve: error: --shared-prefix and --long-prompt-every compare a "
+              "server setting on vs off and need --spawn", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.shared_prefix and args.long_prompt_every:
+        print("kvfleet bench serve: error: give one of --shared-prefix, --long-prompt-every",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.concurrency < 1 or args.num_prompts < 1:
+        print("kvfleet bench serve: error: --concurrency and --num-prompts must be >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    result = asyncio.run(_main(args))
+    text = json.dumps(result, indent=2)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 1 if result.get("errors") else 0
