@@ -51,6 +51,22 @@ def _triton_available() -> bool:
 # installs may lack it entirely.
 
 
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K/V caches, [num_blocks, block_size, num_kv_heads, head_dim], in the memory
+    layout the backend that will read them wants: contiguous for the Triton kernels, head-major
+    storage for the torch path (its decode gather copies whole blocks of one head)."""
+    probe = torch.empty(0, device=device)
+    return reference.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                       device, head_major=not use_triton(probe))  # fmt: skip
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
     if use_triton(key):

@@ -4,13 +4,43 @@ Because the CPU engine runs these for real, they are vectorised: decode attentio
 decoding sequences is one gather and two batched matmuls per layer; only prefill sequences
 (a few per step) are handled one by one.
 
-Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+Cache shape per layer: [num_blocks, block_size, num_kv_heads, head_dim]. Any strides work; when
+the storage is head-major ([kv_heads, blocks, block, dim] permuted to that shape, as
+`allocate_kv_cache(head_major=True)` makes it), decode attention gathers whole blocks of one head
+as contiguous rows, and the batched matmuls read contiguous K/V.
 """
 
 from __future__ import annotations
 
 import torch
 from kvfleet.kernels.metadata import AttentionMetadata
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    head_major: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches, zeroed (masked slots are multiplied by 0: garbage NaNs would
+    leak through), shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def one() -> torch.Tensor:
+        if head_major:
+            storage = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                                  device=device)  # fmt: skip
+            return storage.permute(1, 2, 0, 3)
+        return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                           device=device)  # fmt: skip
+
+    return one(), one()
+
+
+def _is_head_major(cache: torch.Tensor) -> bool:
+    return cache.permute(2, 0, 1, 3).is_contiguous()
 
 
 def reshape_and_cache(
@@ -21,14 +51,13 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
-    num_blocks, block_size = k_cache.shape[:2]
+    block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -36,6 +65,18 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     block_size = cache.shape[1]
     nblocks = (length + block_size - 1) // block_size
     return cache[block_table[:nblocks].long()].flatten(0, 1)[:length]
+
+
+def _gather_head_major(
+    cache: torch.Tensor, table: torch.Tensor, num_seqs: int, nblocks: int
+) -> torch.Tensor:
+    """[kv_heads, seqs, nblocks * block, D] from head-major storage: one index_select of whole
+    blocks (contiguous rows), far faster than advanced indexing of a 5-D gather."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.permute(2, 0, 1, 3).reshape(num_kv_heads * num_blocks, block_size * head_dim)
+    heads = torch.arange(num_kv_heads, device=cache.device)[:, None] * num_blocks
+    index = (heads + table.reshape(1, -1)).reshape(-1)
+    return rows.index_select(0, index).view(num_kv_heads, num_seqs, nblocks * block_size, head_dim)
 
 
 def decode_attention(
@@ -53,17 +94,20 @@ def decode_attention(
     group = num_heads // num_kv_heads
     nblocks = (max_seq_len + block_size - 1) // block_size
     table = block_tables[:num_seqs, :nblocks].long()
-    # [seqs, nblocks*block, kv_heads, D] → [seqs, kv_heads, ctx, D]
-    k = k_cache[table].flatten(1, 2).transpose(1, 2)
-    v = v_cache[table].flatten(1, 2).transpose(1, 2)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [seqs, kvh, group, ctx]
+    if _is_head_major(k_cache) and _is_head_major(v_cache):
+        k = _gather_head_major(k_cache, table, num_seqs, nblocks)  # [kvh, seqs, ctx, D]
+        v = _gather_head_major(v_cache, table, num_seqs, nblocks)
+    else:
+        k = k_cache[table].flatten(1, 2).permute(2, 0, 1, 3)
+        v = v_cache[table].flatten(1, 2).permute(2, 0, 1, 3)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(k.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [kvh, seqs, group, ctx]
     ctx = torch.arange(k.shape[2], device=query.device)
     mask = ctx[None, :] >= seq_lens[:, None].to(ctx.dtype)  # [seqs, ctx]
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    scores.mul_(scale).masked_fill_(mask[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [seqs, kvh, group, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    out = torch.matmul(probs, v)  # [kvh, seqs, group, D]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def prefill_attention(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from kvfleet.kernels import dispatch
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.model_config import ModelConfig
@@ -29,14 +30,15 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
-        shape = (kv.num_blocks, kv.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # Zeroed, not empty: attention multiplies masked (zero-weight) slots by their values,
-        # and 0 × NaN from uninitialised memory would poison the output.
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            dispatch.allocate_kv_cache(
+                kv.num_blocks,
+                kv.block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+                dtype,
+                device,
+            )  # fmt: skip
             for _ in range(model_config.num_layers)
         ]
 
