@@ -1,0 +1,222 @@
+"""Thin kopf handlers: reconcile InferenceServices, keep children and status current.
+
+All decisions live in pure modules (render, spec_check, status, apply); these functions fetch,
+call them and write. Errors are classified on purpose: a spec that cannot be served is a
+kopf.PermanentError (Degraded=True, no retries until the spec changes); conflicts, throttling
+and server errors are kopf.TemporaryError (retried with a delay).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kvfleet.operator import metrics
+from kvfleet.operator.apply import apply_child
+from kvfleet.operator.kube_api import DEPLOYMENTS, PODS, SERVICES, KubeApi, KubeApiError
+from kvfleet.operator.render import (
+    MANAGED_BY,
+    render_deployment,
+    render_service,
+    selector_string,
+)
+from kvfleet.operator.spec_check import DEFAULT_MAX_GPUS_PER_NODE, SpecProblem, check_spec
+from kvfleet.operator.status import compute_status
+
+from kvfleet import contract
+
+ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+ANNOTATION_PREFIX = contract.API_GROUP  # kopf's bookkeeping annotations: kvfleet.dev/...
+RETRY_DELAY_SECONDS = 5
+
+
+@dataclass(slots=True)
+class OperatorConfig:
+    """What the handlers need beyond the objects: limits and, once started, the API client."""
+
+    max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
+    api: KubeApi | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def client(self) -> KubeApi:
+        """The API client, created on first use from the environment."""
+        if self.api is None:
+            self.api = KubeApi.from_environment()
+        return self.api
+
+
+def _owner_name(child: Mapping[str, Any]) -> str | None:
+    for ref in child.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == contract.KIND and ref.get("apiVersion", "").startswith(
+            contract.API_GROUP + "/"
+        ):
+            return ref.get("name")
+    return None
+
+
+def _problem_message(problems: list[SpecProblem]) -> str:
+    return "; ".join(f"{p.reason}: {p.message}" for p in problems)
+
+
+def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply the children for one InferenceService and return the status to write.
+
+    Raises kopf.PermanentError for a spec that cannot be served (after the status says why) and
+    kopf.TemporaryError for API failures worth retrying.
+    """
+    api = config.client()
+    meta = isvc["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    spec, problems = check_spec(isvc.get("spec") or {}, max_gpus_per_node=config.max_gpus_per_node)
+    if problems or spec is None:
+        return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=problems)
+    try:
+        deployment, _ = apply_child(
+            api, DEPLOYMENTS, render_deployment(isvc), keep_live_replicas=spec.autoscaling.enabled
+        )
+        apply_child(api, SERVICES, render_service(isvc))
+        pods = api.list(PODS, namespace, selector_string(name))
+    except KubeApiError as exc:
+        metrics.RECONCILE_ERRORS.labels(reason=f"HTTP{exc.status}").inc()
+        if exc.retryable:
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_SECONDS) from exc
+        problem = SpecProblem("ApplyRejected", f"the API server rejected a child: {exc}")
+        return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=[problem])
+    return compute_status(isvc, deployment, pods)
+
+
+def refresh_from_child(config: OperatorConfig, namespace: str, name: str) -> None:
+    """After a child changed: put back what drifted and bring the owner's status up to date."""
+    api = config.client()
+    isvc = api.get(ISVCS, namespace, name)
+    if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+        return  # being deleted: garbage collection removes the children
+    with metrics.reconcile_timer("child"):
+        status = reconcile(config, isvc)
+        try:
+            write_status(config, isvc, status)
+        except KubeApiError as exc:
+            if exc.status != 404:
+                raise
+            # Deleted while we worked: anything just created is collected with it.
+
+
+def write_status(config: OperatorConfig, isvc: Mapping[str, Any], status: dict[str, Any]) -> None:
+    """Patch status only when it differs, so status writes cannot feed a watch loop."""
+    meta = isvc["metadata"]
+    metrics.observe_status(meta["namespace"], meta["name"], status)
+    current = isvc.get("status") or {}
+    if all(current.get(k) == v for k, v in status.items()):
+        return
+    config.client().patch_status(ISVCS, meta["namespace"], meta["name"], status)
+
+
+UNSERVABLE = frozenset(
+    {
+        "InvalidSpec",
+        "UnsupportedModelURI",
+        "InsufficientGPUs",
+        "UnsupportedTensorParallel",
+        "ApplyRejected",
+    }
+)
+
+
+def _fail_if_unservable(status: Mapping[str, Any]) -> None:
+    degraded = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Degraded"), None
+    )
+    if degraded and degraded.get("status") == "True" and degraded.get("reason") in UNSERVABLE:
+        metrics.RECONCILE_ERRORS.labels(reason=degraded["reason"]).inc()
+        # Permanent: retrying cannot help until the spec changes (which re-triggers us).
+        raise kopf.PermanentError(f"{degraded['reason']}: {degraded.get('message', '')}")
+
+
+def build_registry(
+    config: OperatorConfig | None = None, registry: kopf.OperatorRegistry | None = None
+) -> kopf.OperatorRegistry:
+    """A kopf registry holding the operator's handlers (an explicit one: tests run several)."""
+    config = config or OperatorConfig()
+    registry = registry or kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        # An explicit registry has none of kopf's default login handlers. kopf's own
+        # login_via_client reads KUBECONFIG as it was when `kubernetes` was imported; this
+        # reuses KubeApi's configuration, read now, so both clients talk to the same server.
+        cfg = config.client().api_client.configuration
+        header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix(
+            "authorization"
+        )
+        scheme, _, token = (header or "").rpartition(" ")
+        return kopf.ConnectionInfo(
+            server=cfg.host,
+            ca_path=cfg.ssl_ca_cert,
+            insecure=not cfg.verify_ssl,
+            username=cfg.username or None,
+            password=cfg.password or None,
+            scheme=scheme or None,
+            token=token or None,
+            certificate_path=cfg.cert_file,
+            private_key_path=cfg.key_file,
+            trust_env=settings.networking.trust_env,
+        )
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Bookkeeping in annotations: the status schema stays strict (no status.kopf field).
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+            prefix=ANNOTATION_PREFIX
+        )
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+        )
+        settings.persistence.finalizer = f"{contract.API_GROUP}/finalizer"
+        settings.posting.level = logging.WARNING  # an int: a string silently stops handlers
+        settings.execution.max_workers = 8
+        config.client()
+
+    @kopf.on.resume(*ISVCS, registry=registry)
+    @kopf.on.create(*ISVCS, registry=registry)
+    @kopf.on.update(*ISVCS, registry=registry)
+    def reconcile_isvc(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        isvc = {
+            "metadata": dict(body.metadata),
+            "spec": dict(body.spec),
+            "status": dict(body.status),
+        }
+        with metrics.reconcile_timer("inferenceservice"):
+            status = reconcile(config, isvc)
+            metrics.observe_status(body.metadata["namespace"], body.metadata["name"], status)
+            # kopf applies this patch to /status whatever the outcome below.
+            patch.status.update(status)
+            _fail_if_unservable(status)
+
+    @kopf.on.delete(*ISVCS, registry=registry, optional=True)
+    def forget_isvc(body: kopf.Body, **_: Any) -> None:
+        metrics.forget(body.metadata["namespace"], body.metadata["name"])
+
+    @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)
+    def deployment_changed(body: kopf.Body, **_: Any) -> None:
+        owner = _owner_name(body)
+        if owner:
+            refresh_from_child(config, body.metadata["namespace"], owner)
+
+    @kopf.on.event("", "v1", "services", labels=MANAGED, registry=registry)
+    def service_changed(body: kopf.Body, **_: Any) -> None:
+        owner = _owner_name(body)
+        if owner:
+            refresh_from_child(config, body.metadata["namespace"], owner)
+
+    @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry)
+    def pod_changed(body: kopf.Body, **_: Any) -> None:
+        # Pods are owned by ReplicaSets; the instance label names the InferenceService.
+        name = (body.metadata.get("labels") or {}).get("app.kubernetes.io/instance")
+        if name:
+            refresh_from_child(config, body.metadata["namespace"], name)
+
+    return registry
