@@ -219,4 +219,19 @@ def build_registry(
         if name:
             refresh_from_child(config, body.metadata["namespace"], name)
 
+    _register_autoscaler(registry, config)
     return registry
+
+
+def _register_autoscaler(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    # The autoscaler's loop is a separate module exposing register(registry, config); a
+    # checkout without it still runs the reconciler.
+    import importlib
+
+    try:
+        loop = importlib.import_module("kvfleet.operator.autoscale_loop")
+    except ModuleNotFoundError as exc:
+        if exc.name != "kvfleet.operator.autoscale_loop":
+            raise
+        return
+    loop.register(registry, config)

@@ -1,0 +1,73 @@
+"""Conditions and status derivation, without a server."""
+
+from __future__ import annotations
+
+from kvfleet.operator.conditions import Condition, find_condition, merge_conditions
+from kvfleet.operator.spec_check import check_spec
+from kvfleet.operator.status import compute_status
+
+ISVC = {
+    "metadata": {"name": "chat", "namespace": "ml", "generation": 4},
+    "spec": {"model": {"uri": "bundled"}},
+}
+
+
+def test_last_transition_time_moves_only_when_status_changes():
+    first = merge_conditions(
+        None, [Condition("Ready", "False", "Starting")], observed_generation=1, now="T1"
+    )
+    same = merge_conditions(
+        first, [Condition("Ready", "False", "StillStarting")], observed_generation=2, now="T2"
+    )
+    flipped = merge_conditions(
+        same, [Condition("Ready", "True", "AllReplicasReady")], observed_generation=2, now="T3"
+    )
+    assert find_condition(same, "Ready")["lastTransitionTime"] == "T1"
+    assert find_condition(same, "Ready")["reason"] == "StillStarting"
+    assert find_condition(same, "Ready")["observedGeneration"] == 2
+    assert find_condition(flipped, "Ready")["lastTransitionTime"] == "T3"
+
+
+def deployment(**status):
+    return {
+        "metadata": {"generation": 1, "annotations": {"kvfleet.dev/generation": "4"}},
+        "spec": {"replicas": 2},
+        "status": {"observedGeneration": 1, **status},
+    }
+
+
+def test_ready_needs_every_replica_on_the_current_spec():
+    partial = compute_status(
+        ISVC, deployment(replicas=2, updatedReplicas=2, availableReplicas=1, readyReplicas=1)
+    )
+    assert find_condition(partial["conditions"], "Ready")["status"] == "False"
+    full = compute_status(
+        ISVC, deployment(replicas=2, updatedReplicas=2, availableReplicas=2, readyReplicas=2)
+    )
+    assert find_condition(full["conditions"], "Ready")["status"] == "True"
+    assert full["observedGeneration"] == 4
+    stale = deployment(replicas=2, updatedReplicas=2, availableReplicas=2, readyReplicas=2)
+    stale["metadata"]["annotations"]["kvfleet.dev/generation"] = "3"  # rendered from an older spec
+    assert (
+        find_condition(compute_status(ISVC, stale)["conditions"], "Progressing")["status"] == "True"
+    )
+
+
+def test_progress_deadline_is_degraded():
+    dep = deployment(conditions=[{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                  "message": "ReplicaSet has timed out progressing"}])  # fmt: skip
+    degraded = find_condition(compute_status(ISVC, dep)["conditions"], "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ProgressDeadlineExceeded")
+
+
+def test_spec_checks_name_field_and_limit():
+    _, problems = check_spec(
+        {"model": {"uri": "bundled"}, "resources": {"gpus": 12}}, max_gpus_per_node=8
+    )
+    assert [p.reason for p in problems] == ["InsufficientGPUs"]
+    assert "spec.resources.gpus" in problems[0].message and "8" in problems[0].message
+    _, problems = check_spec({"model": {"uri": "bundled"}, "replicas": "two"})
+    assert problems[0].reason == "InvalidSpec" and "spec.replicas" in problems[0].message
+    _, problems = check_spec({"model": {"uri": "file:///m", "hfTokenSecretRef": {"name": "t"}}})
+    assert "hfTokenSecretRef" in problems[0].message
+    assert check_spec({"model": {"uri": "hf://org/name@rev"}})[1] == []
