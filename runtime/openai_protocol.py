@@ -213,7 +213,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
         prompts: list[str | list[int]] = [prompt]
     elif is_ids(prompt) and prompt:
         prompts = [prompt]
-    elif (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)) or (isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt)):
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)) or (
+        isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt)
+    ):
         prompts = list(prompt)
     else:
         raise APIError(

@@ -242,3 +242,14 @@ def test_disconnect_mid_stream_frees_the_kv_cache(server, model):
     wait_for_metric(server, contract.NUM_REQUESTS_RUNNING, lambda v: v == 0)
     samples = scrape(server)
     assert metric(samples, "vllm:request_success_total", finished_reason="abort") >= 1
+
+
+async def test_bench_serve_drives_the_server_and_counts_every_token(server, offline):
+    from kvfleet.runtime.bench_serve import drive
+
+    ids = offline.tokenizer.encode("Benchmark prompt", add_special_tokens=False)
+    workload = [(ids, 5 + i) for i in range(6)]
+    result = await drive(server.url, workload, concurrency=3, timeout=60)
+    assert result.errors == 0 and result.num_requests == 6
+    assert result.output_tokens_per_s * result.duration_s == pytest.approx(sum(range(5, 11)))
+    assert 0 < result.ttft_p50 <= result.e2e_p50 and 0 < result.itl_p50 <= result.itl_p99
