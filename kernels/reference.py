@@ -12,6 +12,8 @@ as contiguous rows, and the batched matmuls read contiguous K/V.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from kvfleet.kernels.metadata import AttentionMetadata
 
@@ -148,12 +150,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention for a mixed batch ([tokens, heads, D] → same): decodes batched, prefills each."""
+    """Attention for a mixed batch ([tokens, heads, D] → same): decodes batched, prefills each.
+
+    `decode_fn` (default `decode_attention`) computes the decode part: the CPU dispatch passes
+    the C kernel, which takes `decode_attention`'s arguments."""
     out = torch.empty_like(query)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = decode_attention(
+        out[:nd] = (decode_fn or decode_attention)(
             query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
             max(meta.seq_lens_host[:nd]), scale,
         )  # fmt: skip

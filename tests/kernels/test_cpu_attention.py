@@ -1,0 +1,169 @@
+"""The C CPU decode-attention kernel against the torch reference and a dense float64 softmax,
+plus its fallbacks: disabled by KVFLEET_CPU_KERNELS=0, or unbuildable (broken compiler)."""
+
+import logging
+
+import pytest
+import torch
+from kernel_cases import (
+    TOLERANCE,
+    attention_metadata,
+    contiguous_context,
+    dense_attention,
+    paged_case,
+    ragged_lengths,
+)
+from kvfleet.kernels import cpu_attention, dispatch, reference
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+# (batch, num_kv_heads, gqa ratio, head_dim, block_size, dtype, max_len): every value of each
+# axis at least once — batch 1..17, GQA 1/3/8, head_dim 64/128, block 8/16/32, float32/bfloat16.
+CASES = [
+    (1, 1, 1, 64, 16, F32, 1),
+    (3, 2, 3, 64, 8, F32, 40),
+    (5, 1, 8, 128, 16, BF16, 70),
+    (8, 2, 1, 128, 32, BF16, 90),
+    (17, 1, 3, 64, 32, F32, 66),
+    (6, 3, 3, 64, 16, BF16, 200),
+    (2, 1, 8, 128, 8, F32, 81),
+    (11, 1, 1, 64, 16, BF16, 65),
+]
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache contents in the head-major storage the torch path allocates."""
+    out, _ = reference.allocate_kv_cache(*cache.shape[:3], cache.shape[3], cache.dtype, "cpu",
+                                         head_major=True)  # fmt: skip
+    out.copy_(cache)
+    return out
+
+
+def make_inputs(seed, batch, kv_heads, ratio, head_dim, block_size, dtype, max_len):
+    gen = torch.Generator().manual_seed(seed)
+    lens = ragged_lengths(gen, batch, block_size, max_len)
+    case = paged_case(gen, lens, block_size, kv_heads, head_dim, dtype)
+    query = torch.randn((batch, kv_heads * ratio, head_dim), generator=gen).to(dtype)
+    k, v = head_major(case.k_cache), head_major(case.v_cache)
+    return case, lens, (query, k, v, case.block_tables, case.seq_lens, max(lens), head_dim**-0.5)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_enabled(monkeypatch):
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+    yield
+    cpu_attention._library.cache_clear()  # a test may have built with a broken compiler
+
+
+def test_kernel_builds_here():
+    """gcc is on every machine these tests run on: a build failure is a bug, not a skip."""
+    assert cpu_attention.available()
+
+
+@pytest.mark.parametrize(
+    "batch,kv_heads,ratio,head_dim,block_size,dtype,max_len",
+    CASES,
+    ids=[f"b{c[0]}-kvh{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}-{str(c[5])[6:]}" for c in CASES],
+)
+def test_decode_matches_reference_and_dense(
+    poison_allocations, batch, kv_heads, ratio, head_dim, block_size, dtype, max_len
+):
+    case, lens, args = make_inputs(
+        hash((batch, kv_heads, ratio)) % 2**31, batch, kv_heads, ratio, head_dim, block_size,
+        dtype, max_len,
+    )  # fmt: skip
+    query, k, v = args[:3]
+    assert cpu_attention.supports(query, k, v)
+    got = cpu_attention.decode_attention(*args)
+    assert got.dtype == dtype and got.shape == query.shape
+    assert not got.isnan().any(), "unwritten output elements"
+    want = reference.decode_attention(*args)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+    # The kernel accumulates in float32 from exact bf16 → f32 widening, so against a float64
+    # softmax of the same (rounded) inputs it is tighter than the reference's bf16 matmuls.
+    for s, n in enumerate(lens):
+        kc = contiguous_context(case.k_cache, case.block_tables[s], n)
+        vc = contiguous_context(case.v_cache, case.block_tables[s], n)
+        dense = dense_attention(query[s : s + 1], kc, vc, args[-1])[0]
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got[s].double(), dense, **tol)
+
+
+def test_thread_counts_agree():
+    """Each (sequence, kv head) is computed by one thread in a fixed order: 1 and 2 threads
+    give bit-identical results."""
+    _, _, args = make_inputs(7, 13, 3, 3, 64, 16, BF16, 300)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.decode_attention(*args)
+        torch.set_num_threads(2)
+        two = cpu_attention.decode_attention(*args)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+
+
+def test_unsupported_inputs_go_to_reference():
+    """A token-major cache, float16 or head_dim 72 (not a multiple of 16) are the reference's: same answer, no error."""
+    _, _, (query, k, v, *rest) = make_inputs(3, 4, 2, 3, 64, 16, F32, 50)
+    assert not cpu_attention.supports(query, k.contiguous(), v.contiguous())
+    got = cpu_attention.decode_attention(query, k.contiguous(), v.contiguous(), *rest)
+    torch.testing.assert_close(got, reference.decode_attention(query, k, v, *rest))
+    half = (query.half(), k.half(), v.half())
+    assert not cpu_attention.supports(*half)
+    assert cpu_attention.decode_attention(*half, *rest).dtype == torch.float16
+    _, _, (q72, k72, v72, *rest72) = make_inputs(4, 3, 1, 2, 72, 8, F32, 30)
+    assert not cpu_attention.supports(q72, k72, v72)
+    torch.testing.assert_close(
+        cpu_attention.decode_attention(q72, k72, v72, *rest72),
+        reference.decode_attention(q72, k72, v72, *rest72),
+    )
+
+
+def _dispatch_mixed_batch(monkeypatch, expect_kernel: bool) -> None:
+    """Two decodes and a 5-token prefill through dispatch.paged_attention: correct either way,
+    and the C kernel called exactly when expected."""
+    case, _, (query, k, v, *_) = make_inputs(11, 3, 1, 3, 64, 16, F32, 40)
+    meta = attention_metadata(case, [1, 1, 5], num_decodes=2, block_size=16)
+    tokens = torch.randn((7, query.shape[1], 64), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    want = reference.paged_attention(tokens, k, v, meta, 0.125)
+    torch.testing.assert_close(got, want, **TOLERANCE[F32])
+    assert bool(calls) == expect_kernel
+
+
+def test_dispatch_uses_kernel_for_decodes(monkeypatch):
+    _dispatch_mixed_batch(monkeypatch, expect_kernel=True)
+
+
+def test_env_disables_kernel(monkeypatch):
+    monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
+    assert not cpu_attention.available()
+    _dispatch_mixed_batch(monkeypatch, expect_kernel=False)
+
+
+def test_broken_compiler_falls_back_with_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "COMPILER", ["false"])
+    cpu_attention._library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+        assert not cpu_attention.available()
+        assert not cpu_attention.available()  # the failure is remembered, not retried
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "torch reference" in warnings[0].getMessage()
+    _dispatch_mixed_batch(monkeypatch, expect_kernel=False)
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
+    """A second build of the same source reuses the file; different flags get a new one."""
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    first = cpu_attention._build()
+    assert first.parent == tmp_path / "kernels" and first == cpu_attention._build()
+    monkeypatch.setattr(cpu_attention, "FLAGS", [*cpu_attention.FLAGS, "-DKVFLEET_TEST=1"])
+    assert cpu_attention._build() != first
+    assert not list(tmp_path.rglob("*.tmp"))
