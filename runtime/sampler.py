@@ -16,6 +16,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -9,6 +9,7 @@ are freed and it is recomputed later (its tokens are kept, so nothing is lost).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,10 +76,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
-            except ValueError:
-                pass
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

@@ -1,0 +1,175 @@
+"""What a user of the offline API notices: seeds, sampling controls, stops, n > 1, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvfleet.runtime import LLM, SamplingParams
+from kvfleet.runtime.config import ConfigError
+from kvfleet.runtime.engine import RequestError
+from kvfleet.runtime.loader import ModelLoadError
+from kvfleet.runtime.sampling_params import SamplingParamsError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128)
+
+
+PROMPT = [101, 2025, 318, 257, 1332, 286, 262, 995]
+
+
+def test_same_seed_same_tokens_whatever_else_is_in_the_batch(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=20)
+    alone = llm.generate([PROMPT], p)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.9, seed=s, max_tokens=12) for s in range(5)]
+    crowd = llm.generate([[7, 8, 9]] * 5 + [PROMPT], [*others, p])
+    assert crowd[-1].outputs[0].token_ids == alone
+    other_seed = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=99, max_tokens=20))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_top_k_1_is_greedy_and_min_p_1_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0]
+    top1 = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=12))
+    minp = llm.generate([PROMPT], SamplingParams(temperature=1.5, min_p=1.0, seed=3, max_tokens=12))
+    tiny_p = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_p=1e-6, seed=3,
+                                                   max_tokens=12))  # fmt: skip
+    expected = greedy.outputs[0].token_ids
+    assert top1[0].outputs[0].token_ids == expected
+    assert minp[0].outputs[0].token_ids == expected
+    assert tiny_p[0].outputs[0].token_ids == expected
+
+
+def test_penalties_change_what_is_generated(llm: LLM) -> None:
+    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0]
+    tokens = base.outputs[0].token_ids
+    rep = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30,
+                                                repetition_penalty=5.0))[0]  # fmt: skip
+    freq = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30,
+                                                 frequency_penalty=2.0, presence_penalty=2.0))[0]  # fmt: skip
+    # A strong repetition penalty never repeats a prompt or output token while others exist.
+    seen = set(PROMPT)
+    for t in rep.outputs[0].token_ids:
+        assert t not in seen
+        seen.add(t)
+    assert freq.outputs[0].token_ids != tokens or len(set(tokens)) == len(tokens)
+
+
+def test_stop_strings_cut_the_text_and_stop_token_ids_stop(llm: LLM) -> None:
+    full = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert len(full.text) > 6
+    stop = full.text[4:7]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full.text[: full.text.index(stop)]
+    tok = full.token_ids[5]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tok]))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == tok
+    assert c.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
+
+
+def test_min_tokens_max_tokens_and_ignore_eos(llm: LLM) -> None:
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[eos],
+                                                ignore_eos=True, min_tokens=9))[0]  # fmt: skip
+    assert len(out.outputs[0].token_ids) == 9
+    assert out.outputs[0].finish_reason == "length"
+    assert eos not in out.outputs[0].token_ids
+
+
+def test_logprobs_are_returned_for_each_token(llm: LLM) -> None:
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    c = out.outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == 5
+    for tok, lp in zip(c.token_ids, c.logprobs, strict=True):
+        assert lp.token_id == tok
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == tok  # greedy picks the most likely token
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+
+
+def test_n_completions_share_the_prompt_blocks(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, block_size=8)
+    prompt = list(range(1000, 1040))  # 5 full blocks
+    engine = llm.engine
+    engine.add_request("fan", prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8))
+    engine.step()
+    tables = [engine.kv.blocks_of(f"fan#{i}") for i in range(3)]
+    assert tables[0][:4] == tables[1][:4] == tables[2][:4]  # the prompt's full blocks, shared
+    assert engine.kv.ref_counts[tables[0][0]] == 3
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = outs
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per completion
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_abort_frees_blocks_at_once(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("gone", PROMPT * 4, SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv.usage > 0
+    assert engine.abort_request("gone")
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(temperature=-1), "temperature"),
+        (lambda: SamplingParams(logprobs=21), "logprobs"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(make, field: str) -> None:
+    with pytest.raises(SamplingParamsError) as e:
+        make()
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_too_long_prompt_names_the_limit(llm: LLM) -> None:
+    with pytest.raises(RequestError, match="max_model_len is 128"):
+        llm.generate([[5] * 200], SamplingParams())
+    with pytest.raises(RequestError, match=r"prompt \(100 tokens\) \+ max_tokens \(50\)"):
+        llm.generate([[5] * 100], SamplingParams(max_tokens=50))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_unknown_model_path_and_bad_config_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="model"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="block_size"):
+        LLM("bundled", block_size=12)
+
+
+@pytest.mark.slow
+def test_bundled_chat_knows_the_capital_of_france() -> None:
+    llm = LLM("bundled", max_model_len=512, kv_cache_memory="256MiB")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24))  # fmt: skip
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_cli_generate_prints_the_completion_and_reports_bad_input(tiny_llama_dir: Path) -> None:
+    kvfleet = [sys.executable, "-m", "kvfleet.runtime.cli"]
+    ok = subprocess.run([*kvfleet, "generate", "--model", str(tiny_llama_dir), "--prompt", "Hello",
+                         "--max-tokens", "5", "--dtype", "float32", "--max-model-len", "64"],
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip()
+    bad = subprocess.run([*kvfleet, "generate", "--model", str(tiny_llama_dir), "--prompt", "Hi",
+                          "--top-p", "2", "--max-model-len", "64"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2
+    assert "top_p" in bad.stderr and "Traceback" not in bad.stderr
