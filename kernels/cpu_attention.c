@@ -99,11 +99,107 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
     return hsum(acc);
 }
 
+#ifdef __AVX512F__
+/* The 16 lane sums of v[0..15] as one vector: out[t] = sum of v[t]'s lanes. A transpose-and-add
+ * tree (unpack within 128-bit lanes, then across them) costs 45 shuffles and adds for 16
+ * sums, against 16 * 8 for a reduction per vector. Lanes never mix between tokens, so garbage
+ * in rows past the valid ones only reaches their own (ignored) outputs. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [t0, t1, t0, t1], t = 2i, 2i+1 */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: [t0, t1, t2, t3], t = 4i.. */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* Sum the four 128-bit lanes of each quad, placing quad i in lane i. 0x88 picks lanes
+     * (0, 2) of each operand, 0xDD lanes (1, 3). */
+    const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88),
+                         _mm512_shuffle_f32x4(q01, q23, 0xDD));
+}
+
+/* score[0..15] = q · k[t] for 16 rows of k (row stride d, d a multiple of 16). */
+static inline void scores16(float *score, const float *restrict q, const float *restrict k,
+                            int d) {
+    __m512 v[16];
+    for (int t = 0; t < 16; t++) v[t] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q + i);
+        for (int t = 0; t < 16; t++)
+            v[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(k + (size_t)t * d + i), v[t]);
+    }
+    _mm512_storeu_ps(score, reduce16(v));
+}
+#endif
+
+/* score[t] = q · k[t] for the n valid rows of a block of block_size rows (row stride d). */
+static inline void block_scores(float *score, const float *restrict q, const float *restrict k,
+                                int n, int block_size, int d) {
+#ifdef __AVX512F__
+    if (block_size % 16 == 0) {
+        /* Whole groups of 16 rows: they lie inside the block even past row n. */
+        for (int t = 0; t < n; t += 16) scores16(score + t, q, k + (size_t)t * d, d);
+        return;
+    }
+#else
+    (void)block_size;
+#endif
+    for (int t = 0; t < n; t++) score[t] = dot(q, k + (size_t)t * d, d);
+}
+
+/* The largest of score[0..n). */
+static inline float block_max(const float *score, int n) {
+#ifdef __AVX512F__
+    /* A scalar max over the block is a serial chain of compares, as slow as the dots. */
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 valid = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, valid, score + t));
+    }
+    return _mm512_reduce_max_ps(m);
+#else
+    float m = -INFINITY;
+    for (int t = 0; t < n; t++)
+        if (score[t] > m) m = score[t];
+    return m;
+#endif
+}
+
 /* acc[0:d] = acc * corr + sum_t p[t] * v[t, 0:d], for n rows of v (row stride d). Each
  * LANES-wide slice of acc stays in registers across the n rows. */
 static inline void accumulate_pv(float *restrict acc, float corr, const float *restrict p,
                                  const float *restrict v, int n, int d) {
-    for (int i = 0; i < d; i += LANES) {
+    int i = 0;
+#ifdef __AVX512F__
+    /* Four 16-float slices at a time: four independent FMA chains instead of one, whose
+     * 4-cycle latency per row otherwise bounds this loop. */
+    const __m512 c = _mm512_set1_ps(corr);
+    for (; i + 64 <= d; i += 64) {
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + i), c);
+        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), c);
+        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 32), c);
+        __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 48), c);
+        for (int t = 0; t < n; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const float *row = v + (size_t)t * d + i;
+            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(row), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(row + 16), a1);
+            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(row + 32), a2);
+            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(row + 48), a3);
+        }
+        _mm512_storeu_ps(acc + i, a0);
+        _mm512_storeu_ps(acc + i + 16, a1);
+        _mm512_storeu_ps(acc + i + 32, a2);
+        _mm512_storeu_ps(acc + i + 48, a3);
+    }
+#endif
+    for (; i < d; i += LANES) {
         float a[LANES];
         for (int l = 0; l < LANES; l++) a[l] = acc[i + l] * corr;
         for (int t = 0; t < n; t++) {
@@ -123,12 +219,14 @@ typedef struct {
     float *vf;     /* [block_size, D]  one V block widened to float32 (bf16 caches only) */
     float *score;  /* [block_size]  one head's scores, then probabilities, for one block */
     float *m;      /* [group]  running max of the scores */
-    float *l;      /* [group]  running sum of exp(score - m) */
+    float *l;      /* [group, block_size]  running sums of exp(score - m), one per block slot */
 } Scratch;
 
 static int scratch_alloc(Scratch *s, int group, int head_dim, int block_size) {
     const size_t gd = (size_t)group * head_dim, bd = (size_t)block_size * head_dim;
-    float *base = malloc(sizeof(float) * (2 * gd + 2 * bd + block_size + 2 * (size_t)group));
+    const size_t floats = 2 * gd + 2 * bd + block_size + group + (size_t)group * block_size;
+    /* Zeroed: rows of kf past a short last block are read (and their results ignored). */
+    float *base = calloc(floats, sizeof(float));
     if (!base) return ERR_NOMEM;
     s->q = base;
     s->acc = s->q + gd;
@@ -153,8 +251,8 @@ static void attend_group(Scratch *s, const float *query, float *out, const void 
         for (int i = 0; i < D; i++) s->q[g * D + i] = query[(size_t)g * D + i] * scale;
         memset(s->acc + (size_t)g * D, 0, sizeof(float) * D);
         s->m[g] = -INFINITY;
-        s->l[g] = 0.0f;
     }
+    memset(s->l, 0, sizeof(float) * (size_t)group * block_size);
 
     const int nblocks = (len + block_size - 1) / block_size;
     for (int b = 0; b < nblocks; b++) {
@@ -183,29 +281,27 @@ static void attend_group(Scratch *s, const float *query, float *out, const void 
         /* K and V blocks now sit in L1: every head of the group reuses them. */
         for (int g = 0; g < group; g++) {
             const float *qg = s->q + (size_t)g * D;
-            float block_max = -INFINITY;
-            for (int t = 0; t < n; t++) {
-                s->score[t] = dot(qg, k + (size_t)t * D, D);
-                if (s->score[t] > block_max) block_max = s->score[t];
-            }
+            block_scores(s->score, qg, k, n, block_size, D);
+            const float bmax = block_max(s->score, n);
             /* Online softmax: rescale what was accumulated under the old max. The first block
              * has m = -inf, so corr = exp(-inf) = 0 against an all-zero accumulator. */
-            const float m_new = s->m[g] > block_max ? s->m[g] : block_max;
-            const float corr = expf(s->m[g] - m_new);
-            float sum = 0.0f;
-            for (int t = 0; t < n; t++) {
-                s->score[t] = exp_nonpositive(s->score[t] - m_new);
-                sum += s->score[t];
-            }
-            s->l[g] = s->l[g] * corr + sum;
+            const float m_new = s->m[g] > bmax ? s->m[g] : bmax;
+            const float corr = exp_nonpositive(s->m[g] - m_new);
+            for (int t = 0; t < n; t++) s->score[t] = exp_nonpositive(s->score[t] - m_new);
+            /* The softmax denominator is kept per block slot and summed once at the end: a
+             * running scalar sum would be a serial chain of adds. */
+            float *lg = s->l + (size_t)g * block_size;
+            for (int t = 0; t < block_size; t++) lg[t] = lg[t] * corr + (t < n ? s->score[t] : 0.0f);
             s->m[g] = m_new;
             accumulate_pv(s->acc + (size_t)g * D, corr, s->score, v, n, D);
         }
     }
 
     for (int g = 0; g < group; g++) {
+        float l = 0.0f;
+        for (int t = 0; t < block_size; t++) l += s->l[(size_t)g * block_size + t];
         /* len == 0 (no context) leaves l = 0: write zeros rather than 0/0. */
-        const float inv = s->l[g] > 0.0f ? 1.0f / s->l[g] : 0.0f;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         for (int i = 0; i < D; i++) out[(size_t)g * D + i] = s->acc[(size_t)g * D + i] * inv;
     }
 }
