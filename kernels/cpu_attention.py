@@ -163,11 +163,23 @@ def decode_attention(
     # The storage behind the permuted view: [kv_heads, blocks, block, D], contiguous.
     k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
     status = _library().kvfleet_decode_attention(
-        q.data_ptr(), out.data_ptr(), k_store.data_ptr(), v_store.data_ptr(),
-        _DTYPES[k_cache.dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+        q.data_ptr(),
+        out.data_ptr(),
+        k_store.data_ptr(),
+        v_store.data_ptr(),
+        _DTYPES[k_cache.dtype],
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        scale,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if status != 0:
         raise RuntimeError(f"CPU decode attention kernel: {_ERRORS.get(status, status)}")
     return out.to(query.dtype)

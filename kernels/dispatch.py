@@ -63,8 +63,15 @@ def allocate_kv_cache(
     layout the backend that will read them wants: contiguous for the Triton kernels, head-major
     storage for the torch path (its decode gather copies whole blocks of one head)."""
     probe = torch.empty(0, device=device)
-    return reference.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                                       device, head_major=not use_triton(probe))  # fmt: skip
+    return reference.allocate_kv_cache(
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        device,
+        head_major=not use_triton(probe),
+    )
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:

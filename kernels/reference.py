@@ -32,11 +32,13 @@ def allocate_kv_cache(
 
     def one() -> torch.Tensor:
         if head_major:
-            storage = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
-                                  device=device)  # fmt: skip
+            storage = torch.zeros(
+                num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
+            )
             return storage.permute(1, 2, 0, 3)
-        return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                           device=device)  # fmt: skip
+        return torch.zeros(
+            num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
 
     return one(), one()
 
@@ -160,16 +162,25 @@ def paged_attention(
     nd = meta.num_decodes
     if nd:
         out[:nd] = (decode_fn or decode_attention)(
-            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-            max(meta.seq_lens_host[:nd]), scale,
-        )  # fmt: skip
+            query[:nd],
+            k_cache,
+            v_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            max(meta.seq_lens_host[:nd]),
+            scale,
+        )
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len = meta.query_lens_host[i]
         out[start : start + q_len] = prefill_attention(
-            query[start : start + q_len], k_cache, v_cache, meta.block_tables[i],
-            meta.seq_lens_host[i], scale,
-        )  # fmt: skip
+            query[start : start + q_len],
+            k_cache,
+            v_cache,
+            meta.block_tables[i],
+            meta.seq_lens_host[i],
+            scale,
+        )
         start += q_len
     return out
 

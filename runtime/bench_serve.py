@@ -24,23 +24,42 @@ SHARED_PREFIX_CONCURRENCY = 8
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="latency and throughput of an OpenAI-compatible server",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="the server to drive (ignored with --spawn)")  # fmt: skip
-    p.add_argument("--spawn", action="store_true",
-                   help="start `kvfleet serve` with the engine flags below, once per setting")  # fmt: skip
-    p.add_argument("--serve-args", default="",
-                   help="extra flags for the spawned server, as one string")  # fmt: skip
+    p = sub.add_parser(
+        "serve",
+        help="latency and throughput of an OpenAI-compatible server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server to drive (ignored with --spawn)"
+    )
+    p.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start `kvfleet serve` with the engine flags below, once per setting",
+    )
+    p.add_argument(
+        "--serve-args", default="", help="extra flags for the spawned server, as one string"
+    )
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
-                   help="every prompt starts with the same TOKENS-token text; prefix caching "
-                   f"on vs off at concurrency {SHARED_PREFIX_CONCURRENCY} (needs --spawn)")  # fmt: skip
-    p.add_argument("--long-prompt-every", type=int, default=0, metavar="K",
-                   help=f"every K-th request has a {LONG_PROMPT_TOKENS}-token prompt; chunked "
-                   "prefill on vs off (needs --spawn)")  # fmt: skip
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="every prompt starts with the same TOKENS-token text; prefix caching "
+        f"on vs off at concurrency {SHARED_PREFIX_CONCURRENCY} (needs --spawn)",
+    )
+    p.add_argument(
+        "--long-prompt-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help=f"every K-th request has a {LONG_PROMPT_TOKENS}-token prompt; chunked "
+        "prefill on vs off (needs --spawn)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
     add_engine_args(p)
@@ -104,11 +123,17 @@ def summarize(records: list[RequestRecord], duration: float, concurrency: int) -
         requests_per_s=len(good) / duration if duration else 0.0,
         output_tokens_per_s=tokens / duration if duration else 0.0,
         errors=len(errors),
-        ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
-        itl_p50=percentile(itl, 50), itl_p90=percentile(itl, 90), itl_p99=percentile(itl, 99),
-        e2e_p50=percentile(e2e, 50), e2e_p90=percentile(e2e, 90), e2e_p99=percentile(e2e, 99),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        ttft_p99=percentile(ttft, 99),
+        itl_p50=percentile(itl, 50),
+        itl_p90=percentile(itl, 90),
+        itl_p99=percentile(itl, 99),
+        e2e_p50=percentile(e2e, 50),
+        e2e_p90=percentile(e2e, 90),
+        e2e_p99=percentile(e2e, 99),
         first_error=errors[0].error if errors else "",
-    )  # fmt: skip
+    )
 
 
 async def _one(
@@ -116,15 +141,23 @@ async def _one(
 ) -> RequestRecord:
     import aiohttp
 
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = start
     rec = RequestRecord(ok=False)
     chunks = 0
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return rec
@@ -185,8 +218,10 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
     import numpy as np
     from kvfleet.runtime.bench_workload import standard_workload
 
-    items = [(w.prompt_token_ids, w.output_len)
-             for w in standard_workload(tokenizer, args.num_prompts, args.workload_seed)]  # fmt: skip
+    items = [
+        (w.prompt_token_ids, w.output_len)
+        for w in standard_workload(tokenizer, args.num_prompts, args.workload_seed)
+    ]
     rng = np.random.default_rng(args.workload_seed + 1)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     pool = np.array([t for t in range(len(tokenizer)) if t not in special])
@@ -200,25 +235,49 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
 
 
 def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--model", args.model, "--dtype", args.dtype,
-            "--device", args.device, "--block-size", str(args.block_size),
-            "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-waiting-requests", str(max(args.num_prompts, 256)), "--log-level", "warning"]  # fmt: skip
-    for flag, value in (("--max-model-len", args.max_model_len),
-                        ("--kv-cache-memory", args.kv_cache_memory),
-                        ("--num-threads", args.num_threads),
-                        ("--served-model-name", args.served_model_name)):  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "kvfleet.runtime.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--block-size",
+        str(args.block_size),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-waiting-requests",
+        str(max(args.num_prompts, 256)),
+        "--log-level",
+        "warning",
+    ]
+    for flag, value in (
+        ("--max-model-len", args.max_model_len),
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--num-threads", args.num_threads),
+        ("--served-model-name", args.served_model_name),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     return argv + toggles + shlex.split(args.serve_args)
 
 
 async def _run_spawned(
-    args: argparse.Namespace, toggles: list[str], workload: list[tuple[list[int], int]],
+    args: argparse.Namespace,
+    toggles: list[str],
+    workload: list[tuple[list[int], int]],
     concurrency: int,
-) -> RunResult:  # fmt: skip
+) -> RunResult:
     import asyncio
     import signal
     import socket
@@ -246,8 +305,11 @@ async def _run_spawned(
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.5)
-        print(f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
-              f"{len(workload)} requests at concurrency {concurrency}", file=sys.stderr)  # fmt: skip
+        print(
+            f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
+            f"{len(workload)} requests at concurrency {concurrency}",
+            file=sys.stderr,
+        )
         return await drive(url, workload, concurrency, args.timeout)
     finally:
         if proc.poll() is None:
@@ -278,12 +340,22 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.shared_prefix:
         result["shared_prefix_tokens"] = args.shared_prefix
-        await pair("prefix_caching", "ttft_p50", ["--enable-prefix-caching"],
-                   ["--no-enable-prefix-caching"], SHARED_PREFIX_CONCURRENCY)  # fmt: skip
+        await pair(
+            "prefix_caching",
+            "ttft_p50",
+            ["--enable-prefix-caching"],
+            ["--no-enable-prefix-caching"],
+            SHARED_PREFIX_CONCURRENCY,
+        )
     elif args.long_prompt_every:
         result["long_prompt_every"] = args.long_prompt_every
-        await pair("chunked_prefill", "itl_p99", ["--enable-chunked-prefill"],
-                   ["--no-enable-chunked-prefill"], args.concurrency)  # fmt: skip
+        await pair(
+            "chunked_prefill",
+            "itl_p99",
+            ["--enable-chunked-prefill"],
+            ["--no-enable-chunked-prefill"],
+            args.concurrency,
+        )
     elif args.spawn:
         result.update(asdict(await _run_spawned(args, [], workload, args.concurrency)))
     else:
@@ -295,16 +367,23 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     if (args.shared_prefix or args.long_prompt_every) and not args.spawn:
-        print("kvfleet bench serve: error: --shared-prefix and --long-prompt-every compare a "
-              "server setting on vs off and need --spawn", file=sys.stderr)  # fmt: skip
+        print(
+            "kvfleet bench serve: error: --shared-prefix and --long-prompt-every compare a "
+            "server setting on vs off and need --spawn",
+            file=sys.stderr,
+        )
         return 2
     if args.shared_prefix and args.long_prompt_every:
-        print("kvfleet bench serve: error: give one of --shared-prefix, --long-prompt-every",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "kvfleet bench serve: error: give one of --shared-prefix, --long-prompt-every",
+            file=sys.stderr,
+        )
         return 2
     if args.concurrency < 1 or args.num_prompts < 1:
-        print("kvfleet bench serve: error: --concurrency and --num-prompts must be >= 1",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "kvfleet bench serve: error: --concurrency and --num-prompts must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     result = asyncio.run(_main(args))
     text = json.dumps(result, indent=2)

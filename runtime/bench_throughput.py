@@ -18,8 +18,9 @@ HF_BATCH_SIZE = 32
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("throughput", help="offline throughput vs Hugging Face static batching",
-                       description=__doc__)  # fmt: skip
+    p = sub.add_parser(
+        "throughput", help="offline throughput vs Hugging Face static batching", description=__doc__
+    )
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument(
         "--baseline",
@@ -71,8 +72,11 @@ def run_engine(engine: Any, workload: list[Any], temperature: float = 0.0) -> En
     from kvfleet.runtime.sampling_params import SamplingParams
 
     # Warm-up outside the timed region (first-call allocations, oneDNN kernel selection).
-    engine.add_request("warmup", workload[0].prompt_token_ids[:32],
-                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        "warmup",
+        workload[0].prompt_token_ids[:32],
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+    )
     while engine.has_unfinished_requests():
         engine.step()
     engine.kv.reset_prefix_cache()
@@ -82,8 +86,9 @@ def run_engine(engine: Any, workload: list[Any], temperature: float = 0.0) -> En
     util, contiguous, running, times = [], [], [], []
     start = time.perf_counter()
     for i, item in enumerate(workload):
-        params = SamplingParams(max_tokens=item.output_len, temperature=temperature,
-                                ignore_eos=True, seed=i)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=item.output_len, temperature=temperature, ignore_eos=True, seed=i
+        )
         engine.add_request(f"bench-{i}", item.prompt_token_ids, params)
     steps = 0
     while engine.has_unfinished_requests():
@@ -121,11 +126,18 @@ def hf_model_for(engine: Any) -> Any:
     else:
         mc = engine.model_config
         cls = Qwen2Config if mc.architecture == "Qwen2ForCausalLM" else LlamaConfig
-        cfg = cls(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-                  intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
-                  num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
-                  head_dim=mc.head_dim, max_position_embeddings=mc.max_position_embeddings,
-                  rms_norm_eps=mc.rms_norm_eps, tie_word_embeddings=mc.tie_word_embeddings)  # fmt: skip
+        cfg = cls(
+            vocab_size=mc.vocab_size,
+            hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size,
+            num_hidden_layers=mc.num_layers,
+            num_attention_heads=mc.num_heads,
+            num_key_value_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            max_position_embeddings=mc.max_position_embeddings,
+            rms_norm_eps=mc.rms_norm_eps,
+            tie_word_embeddings=mc.tie_word_embeddings,
+        )
         with torch.device(engine.device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=engine.dtype)
     return model.to(engine.device).eval()
@@ -152,9 +164,14 @@ def run_hf_baseline(engine: Any, workload: list[Any]) -> tuple[float, int]:
             mask[i, width - n :] = 1
         longest = max(w.output_len for w in batch)
         with torch.inference_mode():
-            model.generate(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
-                           max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                           pad_token_id=pad)  # fmt: skip
+            model.generate(
+                input_ids=ids.to(engine.device),
+                attention_mask=mask.to(engine.device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         useful += sum(w.output_len for w in batch)
     return time.perf_counter() - start, useful
 
@@ -166,10 +183,16 @@ def run(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    workload = standard_workload(engine.tokenizer, args.num_prompts, args.workload_seed,
-                                 vocab_size=engine.model_config.vocab_size)  # fmt: skip
-    print(f"device {engine.device}, dtype {engine.dtype}, threads {torch.get_num_threads()}",
-          file=sys.stderr)  # fmt: skip
+    workload = standard_workload(
+        engine.tokenizer,
+        args.num_prompts,
+        args.workload_seed,
+        vocab_size=engine.model_config.vocab_size,
+    )
+    print(
+        f"device {engine.device}, dtype {engine.dtype}, threads {torch.get_num_threads()}",
+        file=sys.stderr,
+    )
     matmul = measure_matmul_flops(engine.dtype, engine.device)
     print(f"matmul rate: {matmul / 1e12:.3f} TFLOP/s", file=sys.stderr)
     result = run_engine(engine, workload)
@@ -271,8 +294,12 @@ def _plot(result: EngineRun, out: dict[str, Any], path: str) -> None:
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("running requests")
     ax3 = ax2.twinx()
-    ax3.plot(t[: len(result.timeline["kv_utilization"])], result.timeline["kv_utilization"],
-             color="tab:green", label="KV utilization")  # fmt: skip
+    ax3.plot(
+        t[: len(result.timeline["kv_utilization"])],
+        result.timeline["kv_utilization"],
+        color="tab:green",
+        label="KV utilization",
+    )
     ax3.set_ylim(0, 1.05)
     ax3.set_ylabel("KV utilization (held / allocated)")
     ax2.set_title("kvfleet timeline")

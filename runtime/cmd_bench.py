@@ -15,7 +15,10 @@ BENCH_MODULES = (
 def register(sub: argparse._SubParsersAction) -> None:
     from kvfleet.runtime.cli import register_commands
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, serve, kernels",
-                       description="Measure kvfleet against a baseline in the same run.")  # fmt: skip
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: throughput, serve, kernels",
+        description="Measure kvfleet against a baseline in the same run.",
+    )
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     register_commands(bench_sub, BENCH_MODULES)

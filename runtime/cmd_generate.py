@@ -9,17 +9,28 @@ from kvfleet.runtime.config import ConfigError, add_engine_args, engine_config_f
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt",
-                       description="Generate a completion for one prompt and print it.")  # fmt: skip
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Generate a completion for one prompt and print it.",
+    )
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true",
-                   help="wrap the prompt as a user message in the model's chat template")  # fmt: skip
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt as a user message in the model's chat template",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--request-seed", dest="request_seed", type=int, default=None,
-                   help="seed for this request's sampling (same seed, same text)")  # fmt: skip
+    p.add_argument(
+        "--request-seed",
+        dest="request_seed",
+        type=int,
+        default=None,
+        help="seed for this request's sampling (same seed, same text)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
 

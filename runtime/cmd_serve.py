@@ -23,9 +23,12 @@ DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a model over an OpenAI-compatible HTTP API with "
-                       "Prometheus metrics, a deep health check and a graceful drain.")  # fmt: skip
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API with "
+        "Prometheus metrics, a deep health check and a graceful drain.",
+    )
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -35,19 +38,41 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=contract.RUNTIME_PORT, help="port to listen on")
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer <key>' on the API (default: "
-                   f"${contract.API_KEY_ENV}); /health, /metrics and /version stay open")  # fmt: skip
-    g.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests allowed to queue before new ones get 503 + Retry-After")  # fmt: skip
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")  # fmt: skip
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="largest request body accepted (413 beyond)")  # fmt: skip
-    g.add_argument("--revision", default=None,
-                   help="model revision (for hub models fetched before start; recorded only)")  # fmt: skip
-    g.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"), help="log verbosity")  # fmt: skip
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' on the API (default: "
+        f"${contract.API_KEY_ENV}); /health, /metrics and /version stay open",
+    )
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests allowed to queue before new ones get 503 + Retry-After",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted (413 beyond)",
+    )
+    g.add_argument(
+        "--revision",
+        default=None,
+        help="model revision (for hub models fetched before start; recorded only)",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log verbosity",
+    )
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
@@ -109,9 +134,13 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
         log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
         await runner.cleanup()
         return 1
-    log.info("listening on http://%s:%s (model %s%s; /health is 503 until it is loaded)",
-             args.host, args.port, config.model,  # type: ignore[attr-defined]
-             f" @ {args.revision}" if args.revision else "")  # fmt: skip
+    log.info(
+        "listening on http://%s:%s (model %s%s; /health is 503 until it is loaded)",
+        args.host,
+        args.port,
+        config.model,  # type: ignore[attr-defined]
+        f" @ {args.revision}" if args.revision else "",
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -146,8 +175,9 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
 
     await stopper
     server.draining = True
-    log.info("draining: %d requests in flight, up to %.0f s", engine.num_in_flight,
-             args.drain_timeout)  # fmt: skip
+    log.info(
+        "draining: %d requests in flight, up to %.0f s", engine.num_in_flight, args.drain_timeout
+    )
     if not await server.wait_idle(args.drain_timeout):
         log.warning("drain timeout: aborting %d requests still in flight", engine.num_in_flight)
     await engine.stop()

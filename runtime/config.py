@@ -8,12 +8,21 @@ from dataclasses import dataclass, fields
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -148,8 +157,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU threads for the forward pass (default: all cores)",
     )
-    g.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: derived from --model)")  # fmt: skip
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: derived from --model)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -129,10 +129,14 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         log.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
-            config.model, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-            config.block_size, num_blocks * config.block_size * per_token / 1024**3,
+            config.model,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size * per_token / 1024**3,
             self.max_model_len,
-        )  # fmt: skip
+        )
 
     def _kv_budget(self, per_token: int) -> int:
         if self.config.kv_cache_memory is not None:

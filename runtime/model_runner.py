@@ -38,7 +38,7 @@ class ModelRunner:
                 model_config.head_dim,
                 dtype,
                 device,
-            )  # fmt: skip
+            )
             for _ in range(model_config.num_layers)
         ]
 

@@ -85,15 +85,27 @@ class ChatRequest:
 
 
 # --- field access ----------------------------------------------------------------------------
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-               list: "an array", dict: "an object"}  # fmt: skip
+_TYPE_NAMES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(value), type(value).__name__)  # fmt: skip
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(value), type(value).__name__)
 
 
 def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
@@ -225,8 +237,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
             param="prompt",
         )
     if len(prompts) > MAX_PROMPTS:
-        raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(prompts)}",
-                       param="prompt")  # fmt: skip
+        raise APIError(
+            400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt"
+        )
     for p in prompts:
         if len(p) == 0:
             raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -247,8 +260,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if top is not None and not want_logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}",
-                       param="top_logprobs")  # fmt: skip
+        raise APIError(
+            400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs"
+        )
     logprobs = (top or 0) if want_logprobs else None
     return ChatRequest(
         model=_model(body),
@@ -295,14 +309,16 @@ def _content(content: Any, where: str) -> str:
                 )
             text = part.get("text")
             if not isinstance(text, str):
-                raise APIError(400, f"{where}.content[{j}].text: must be a string",
-                               param=f"{where}.content")  # fmt: skip
+                raise APIError(
+                    400, f"{where}.content[{j}].text: must be a string", param=f"{where}.content"
+                )
             texts.append(text)
         return "".join(texts)
     raise APIError(
-        400, f"{where}.content: must be a string or an array of text parts",
+        400,
+        f"{where}.content: must be a string or an array of text parts",
         param=f"{where}.content",
-    )  # fmt: skip
+    )
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -174,8 +174,9 @@ class OpenAIServer:
         try:
             prompt = engine.apply_chat_template(req.messages)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
-            raise APIError(400, f"messages: the chat template rejected them: {exc}",
-                           param="messages") from exc  # fmt: skip
+            raise APIError(
+                400, f"messages: the chat template rejected them: {exc}", param="messages"
+            ) from exc
         self._validate([prompt], req.params)
         with self._track():
             if req.stream:
@@ -186,16 +187,26 @@ class OpenAIServer:
     async def _json(self, request: web.Request) -> Any:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise APIError(413, f"body: {request.content_length} bytes exceeds the limit of "
-                           f"{limit} bytes (--max-body-bytes)", code="body_too_large")  # fmt: skip
+            raise APIError(
+                413,
+                f"body: {request.content_length} bytes exceeds the limit of "
+                f"{limit} bytes (--max-body-bytes)",
+                code="body_too_large",
+            )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise APIError(413, f"body: exceeds the limit of {limit} bytes (--max-body-bytes)",
-                           code="body_too_large") from exc  # fmt: skip
+            raise APIError(
+                413,
+                f"body: exceeds the limit of {limit} bytes (--max-body-bytes)",
+                code="body_too_large",
+            ) from exc
         if len(raw) > limit:
-            raise APIError(413, f"body: {len(raw)} bytes exceeds the limit of {limit} bytes "
-                           "(--max-body-bytes)", code="body_too_large")  # fmt: skip
+            raise APIError(
+                413,
+                f"body: {len(raw)} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
+                code="body_too_large",
+            )
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -362,8 +373,9 @@ class OpenAIServer:
         echo: list[str] | None,
     ) -> web.StreamResponse:
         n = req.params.n
-        sse = _SSE(request, f"cmpl-{uuid.uuid4().hex}", "text_completion", self.settings,
-                   req.include_usage)  # fmt: skip
+        sse = _SSE(
+            request, f"cmpl-{uuid.uuid4().hex}", "text_completion", self.settings, req.include_usage
+        )
         await sse.open()
         cursors = {(i, k): proto.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
         if echo:
@@ -384,8 +396,7 @@ class OpenAIServer:
                     if c.logprobs is not None:
                         lp = proto.completion_logprobs(delta.logprobs, self._token_text, offset)
                         cursor.text_offset = offset + sum(len(t) for t in lp["tokens"])
-                    chunk.append(_text_choice(i * n + c.index, delta.text, lp,
-                                              delta.finish_reason))  # fmt: skip
+                    chunk.append(_text_choice(i * n + c.index, delta.text, lp, delta.finish_reason))
                     if delta.finish_reason is not None:
                         completion_tokens += len(c.token_ids)
                 if chunk:
@@ -399,13 +410,19 @@ class OpenAIServer:
     async def _stream_chat(
         self, request: web.Request, req: proto.ChatRequest, prompt: list[int]
     ) -> web.StreamResponse:
-        sse = _SSE(request, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk",
-                   self.settings, req.include_usage)  # fmt: skip
+        sse = _SSE(
+            request,
+            f"chatcmpl-{uuid.uuid4().hex}",
+            "chat.completion.chunk",
+            self.settings,
+            req.include_usage,
+        )
         await sse.open()
         n = req.params.n
         cursors = [proto.ChoiceCursor() for _ in range(n)]
-        await sse.send([_chat_choice(k, {"role": "assistant", "content": ""}, None, None)
-                        for k in range(n)])  # fmt: skip
+        await sse.send(
+            [_chat_choice(k, {"role": "assistant", "content": ""}, None, None) for k in range(n)]
+        )
         completion_tokens = 0
         try:
             async for _, out in self._outputs([prompt], req.params):
@@ -470,8 +487,12 @@ class _SSE:
         self.response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        self._base = {"id": chunk_id, "object": obj, "created": proto.now(),
-                      "model": settings.model_name}  # fmt: skip
+        self._base = {
+            "id": chunk_id,
+            "object": obj,
+            "created": proto.now(),
+            "model": settings.model_name,
+        }
         self._include_usage = include_usage
 
     async def open(self) -> None:

@@ -112,11 +112,24 @@ def start_server(model: Path | str, log_dir: Path, *args: str) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
     cmd = [
-        sys.executable, "-m", "kvfleet.runtime.cli", "serve",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--kv-cache-memory", "64MiB", "--num-threads", "1",
+        sys.executable,
+        "-m",
+        "kvfleet.runtime.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "64MiB",
+        "--num-threads",
+        "1",
         *args,
-    ]  # fmt: skip
+    ]
     env = {**os.environ}
     env.pop("KVFLEET_API_KEY", None)
     with log_path.open("wb") as log:

@@ -31,8 +31,9 @@ def hf_greedy(folder: Path, prompt: list[int], max_new: int = MAX_NEW) -> list[i
             str(folder), AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         )
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0
+            )
         _hf_cache[key] = out[0, len(prompt) :].tolist()
     return _hf_cache[key]
 
@@ -62,8 +63,13 @@ def test_batched_greedy_matches_hf_for_every_block_size(model_dir: Path, block_s
 def test_chunked_and_unchunked_prefill_match_hf(tiny_llama_dir: Path, chunked: bool) -> None:
     # A 24-token step budget splits the longer prompts over several steps when chunking is on
     # and forces one-prompt-per-step admission when it is off.
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
-              max_num_batched_tokens=24 if chunked else 96, enable_chunked_prefill=chunked)  # fmt: skip
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=24 if chunked else 96,
+        enable_chunked_prefill=chunked,
+    )
     prompts = _prompts(seed=1)
     outs = llm.generate(prompts, _greedy())
     for prompt, out in zip(prompts, outs, strict=True):
@@ -73,8 +79,8 @@ def test_chunked_and_unchunked_prefill_match_hf(tiny_llama_dir: Path, chunked: b
 def test_prefix_cache_hit_matches_hf(tiny_qwen2_dir: Path) -> None:
     llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_model_len=256, block_size=8)
     shared = _prompts(seed=2, lens=(70,))[0]
-    first = shared + [11, 12, 13]
-    second = shared + [21, 22, 23, 24, 25]
+    first = [*shared, 11, 12, 13]
+    second = [*shared, 21, 22, 23, 24, 25]
     (out1,) = llm.generate([first], _greedy())
     assert out1.num_cached_tokens == 0
     (out2,) = llm.generate([second], _greedy())
@@ -90,8 +96,14 @@ def test_forced_preemption_still_matches_hf(tiny_llama_dir: Path) -> None:
     mc = ModelConfig.from_folder(tiny_llama_dir)
     # 16 blocks of 8 tokens: five requests of up to 90+24 tokens cannot all stay resident.
     budget = 16 * 8 * kv_bytes_per_token(mc, torch.float32)
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=8, max_model_len=128,
-              kv_cache_memory=budget, enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        block_size=8,
+        max_model_len=128,
+        kv_cache_memory=budget,
+        enable_prefix_caching=False,
+    )
     prompts = _prompts(seed=3, lens=(20, 30, 40, 25, 35))
     outs = llm.generate(prompts, _greedy())
     assert llm.engine.scheduler.num_preemptions > 0

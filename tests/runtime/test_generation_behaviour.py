@@ -36,8 +36,9 @@ def test_top_k_1_is_greedy_and_min_p_1_is_greedy(llm: LLM) -> None:
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0]
     top1 = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=12))
     minp = llm.generate([PROMPT], SamplingParams(temperature=1.5, min_p=1.0, seed=3, max_tokens=12))
-    tiny_p = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_p=1e-6, seed=3,
-                                                   max_tokens=12))  # fmt: skip
+    tiny_p = llm.generate(
+        [PROMPT], SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=12)
+    )
     expected = greedy.outputs[0].token_ids
     assert top1[0].outputs[0].token_ids == expected
     assert minp[0].outputs[0].token_ids == expected
@@ -47,10 +48,13 @@ def test_top_k_1_is_greedy_and_min_p_1_is_greedy(llm: LLM) -> None:
 def test_penalties_change_what_is_generated(llm: LLM) -> None:
     base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0]
     tokens = base.outputs[0].token_ids
-    rep = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30,
-                                                repetition_penalty=5.0))[0]  # fmt: skip
-    freq = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30,
-                                                 frequency_penalty=2.0, presence_penalty=2.0))[0]  # fmt: skip
+    rep = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=30, repetition_penalty=5.0)
+    )[0]
+    freq = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=30, frequency_penalty=2.0, presence_penalty=2.0),
+    )[0]
     # A strong repetition penalty never repeats a prompt or output token while others exist.
     seen = set(PROMPT)
     for t in rep.outputs[0].token_ids:
@@ -76,8 +80,12 @@ def test_stop_strings_cut_the_text_and_stop_token_ids_stop(llm: LLM) -> None:
 
 def test_min_tokens_max_tokens_and_ignore_eos(llm: LLM) -> None:
     eos = sorted(llm.engine.eos_token_ids)[0]
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[eos],
-                                                ignore_eos=True, min_tokens=9))[0]  # fmt: skip
+    out = llm.generate(
+        [PROMPT],
+        SamplingParams(
+            temperature=0, max_tokens=9, stop_token_ids=[eos], ignore_eos=True, min_tokens=9
+        ),
+    )[0]
     assert len(out.outputs[0].token_ids) == 9
     assert out.outputs[0].finish_reason == "length"
     assert eos not in out.outputs[0].token_ids
@@ -156,20 +164,52 @@ def test_unknown_model_path_and_bad_config_are_clear(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bundled_chat_knows_the_capital_of_france() -> None:
     llm = LLM("bundled", max_model_len=512, kv_cache_memory="256MiB")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=24))  # fmt: skip
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
     assert "Paris" in out[0].outputs[0].text
 
 
 def test_cli_generate_prints_the_completion_and_reports_bad_input(tiny_llama_dir: Path) -> None:
     kvfleet = [sys.executable, "-m", "kvfleet.runtime.cli"]
-    ok = subprocess.run([*kvfleet, "generate", "--model", str(tiny_llama_dir), "--prompt", "Hello",
-                         "--max-tokens", "5", "--dtype", "float32", "--max-model-len", "64"],
-                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    ok = subprocess.run(
+        [
+            *kvfleet,
+            "generate",
+            "--model",
+            str(tiny_llama_dir),
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "5",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip()
-    bad = subprocess.run([*kvfleet, "generate", "--model", str(tiny_llama_dir), "--prompt", "Hi",
-                          "--top-p", "2", "--max-model-len", "64"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    bad = subprocess.run(
+        [
+            *kvfleet,
+            "generate",
+            "--model",
+            str(tiny_llama_dir),
+            "--prompt",
+            "Hi",
+            "--top-p",
+            "2",
+            "--max-model-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2
     assert "top_p" in bad.stderr and "Traceback" not in bad.stderr

@@ -107,10 +107,14 @@ def test_unsupported_config_architecture_names_the_supported(tmp_path: Path) -> 
 
 def test_unknown_rope_scaling_is_refused() -> None:
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 100,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
-    }  # fmt: skip
+    }
     with pytest.raises(ModelConfigError, match=r"rope_type: 'yarn'.*default, linear, llama3"):
         ModelConfig.from_dict(cfg)
 
@@ -123,9 +127,12 @@ def test_untied_weights_load_into_our_model(tiny_llama_dir: Path) -> None:
     torch.testing.assert_close(net.lm_head, hf["lm_head.weight"], atol=0, rtol=0)
     torch.testing.assert_close(
         net.layers[1].gate_up_proj,
-        torch.cat([hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]]),
-        atol=0, rtol=0,
-    )  # fmt: skip
+        torch.cat(
+            [hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]]
+        ),
+        atol=0,
+        rtol=0,
+    )
     assert cfg.num_parameters() == sum(t.numel() for t in hf.values())
 
 
@@ -194,14 +201,23 @@ def test_bundled_package_missing_says_how_to_install(monkeypatch) -> None:
 
 
 BASE_CONFIG = {
-    "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
-}  # fmt: skip
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+}
 
 
 def test_transformers_4_and_5_rope_keys_read_alike() -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     v4 = ModelConfig.from_dict(
         {**BASE_CONFIG, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": scaling}
     )
@@ -219,8 +235,12 @@ def test_transformers_4_and_5_rope_keys_read_alike() -> None:
 
 def test_mistral_sliding_window_caps_the_context() -> None:
     cfg = ModelConfig.from_dict(
-        {**BASE_CONFIG, "architectures": ["MistralForCausalLM"],
-         "max_position_embeddings": 32768, "sliding_window": 4096}
-    )  # fmt: skip
+        {
+            **BASE_CONFIG,
+            "architectures": ["MistralForCausalLM"],
+            "max_position_embeddings": 32768,
+            "sliding_window": 4096,
+        }
+    )
     # Full attention equals sliding-window attention only within one window.
     assert cfg.max_position_embeddings == 4096 and not cfg.attention_bias

@@ -51,8 +51,9 @@ def scenario(draw: st.DrawFn) -> dict:
     max_len = num_blocks * block_size  # every request must fit the pool alone
     chunked = draw(st.booleans())
     budget = draw(st.integers(1 if chunked else max_len, max_len + 8))
-    prefixes = [draw(st.lists(st.integers(1, 5), min_size=0, max_size=3 * block_size))
-                for _ in range(2)]  # fmt: skip
+    prefixes = [
+        draw(st.lists(st.integers(1, 5), min_size=0, max_size=3 * block_size)) for _ in range(2)
+    ]
     arrivals = []
     for _ in range(draw(st.integers(1, 12))):
         prefix = draw(st.sampled_from(prefixes))

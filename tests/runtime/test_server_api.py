@@ -46,8 +46,9 @@ def offline(tiny_llama_dir: Path):
 def test_completion_matches_the_offline_api_and_counts_usage(client, model, offline):
     from kvfleet.runtime import SamplingParams
 
-    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
-                                  temperature=0)  # fmt: skip
+    r = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0
+    )
     want = offline.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=12)
     )
@@ -60,12 +61,14 @@ def test_completion_matches_the_offline_api_and_counts_usage(client, model, offl
 
 def test_token_id_prompts_and_prompt_lists_give_one_choice_each(client, model, offline):
     ids = offline.tokenizer.encode("Once upon a time", add_special_tokens=False)
-    by_text = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
-                                        temperature=0)  # fmt: skip
+    by_text = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=6, temperature=0
+    )
     by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    many = client.completions.create(model=model, prompt=["Once upon a time", "Hello"], max_tokens=5,
-                                     temperature=0, n=2)  # fmt: skip
+    many = client.completions.create(
+        model=model, prompt=["Once upon a time", "Hello"], max_tokens=5, temperature=0, n=2
+    )
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
     first = [c.text for c in many.choices if c.index in (0, 1)]
     assert first[0] == first[1]  # greedy: the same completion twice
@@ -75,8 +78,9 @@ def test_token_id_prompts_and_prompt_lists_give_one_choice_each(client, model, o
 
 
 def test_echo_prepends_the_prompt(client, model):
-    r = client.completions.create(model=model, prompt="Echo me", max_tokens=3, temperature=0,
-                                  echo=True)  # fmt: skip
+    r = client.completions.create(
+        model=model, prompt="Echo me", max_tokens=3, temperature=0, echo=True
+    )
     assert r.choices[0].text.startswith("Echo me")
     assert len(r.choices[0].text) > len("Echo me")
 
@@ -84,8 +88,9 @@ def test_echo_prepends_the_prompt(client, model):
 def test_streamed_completion_equals_the_unstreamed_one(client, model):
     args = {"model": model, "prompt": "Stream this", "max_tokens": 10, "temperature": 0}
     full = client.completions.create(**args)
-    chunks = list(client.completions.create(**args, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -117,16 +122,18 @@ def test_seed_makes_sampling_repeatable(client, model):
 
 
 def test_n_completions_are_independent_samples(client, model):
-    r = client.completions.create(model=model, prompt="Pick:", max_tokens=8, temperature=1.0,
-                                  n=3, seed=7)  # fmt: skip
+    r = client.completions.create(
+        model=model, prompt="Pick:", max_tokens=8, temperature=1.0, n=3, seed=7
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.text for c in r.choices}) > 1
     assert r.usage.completion_tokens == 24
 
 
 def test_completion_logprobs(client, model):
-    r = client.completions.create(model=model, prompt="Logprobs", max_tokens=5, temperature=0,
-                                  logprobs=3)  # fmt: skip
+    r = client.completions.create(
+        model=model, prompt="Logprobs", max_tokens=5, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == r.choices[0].text
@@ -140,11 +147,16 @@ def test_completion_logprobs(client, model):
 def test_chat_matches_the_offline_chat(client, model, offline):
     from kvfleet.runtime import SamplingParams
 
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hi "},
-                                             {"type": "text", "text": "there"}]}]  # fmt: skip
-    r = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=9,
-                                       temperature=0)  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+        },
+    ]
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=9, temperature=0
+    )
     plain = [messages[0], {"role": "user", "content": "Hi there"}]
     want = offline.chat(plain, SamplingParams(temperature=0, max_tokens=9))[0]
     assert r.choices[0].message.role == "assistant"
@@ -154,11 +166,17 @@ def test_chat_matches_the_offline_chat(client, model, offline):
 
 
 def test_streamed_chat_sends_role_first_finish_last_and_usage(client, model):
-    args = {"model": model, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 7,
-            "temperature": 0, "n": 2}  # fmt: skip
+    args = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count"}],
+        "max_tokens": 7,
+        "temperature": 0,
+        "n": 2,
+    }
     full = client.chat.completions.create(**args)
-    chunks = list(client.chat.completions.create(**args, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     for k in range(2):
         mine = [ch for c in chunks if c.choices for ch in c.choices if ch.index == k]
         assert mine[0].delta.role == "assistant"
@@ -169,8 +187,14 @@ def test_streamed_chat_sends_role_first_finish_last_and_usage(client, model):
 
 
 def test_chat_logprobs(client, model):
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     assert "".join(c.token for c in content) == r.choices[0].message.content
@@ -186,12 +210,14 @@ async def test_64_concurrent_streams_equal_the_offline_api(server, model, offlin
     prompts = [f"Request number {i} says" for i in range(64)]
     lengths = [4 + i % 13 for i in range(64)]
     want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
-    client = openai.AsyncOpenAI(base_url=server.api_url, api_key="unused", max_retries=0,
-                                timeout=120)  # fmt: skip
+    client = openai.AsyncOpenAI(
+        base_url=server.api_url, api_key="unused", max_retries=0, timeout=120
+    )
 
     async def one(prompt: str, n: int) -> str:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n,
-                                                 temperature=0, stream=True)  # fmt: skip
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     got = await asyncio.wait_for(asyncio.gather(*map(one, prompts, lengths)), 150)
@@ -203,10 +229,12 @@ def test_metrics_are_pinned_and_token_counters_match_usage(server, client, model
     before = scrape(server)
     names = {n for n, _ in before}
     assert contract.exposed_names() <= names
-    assert all(dict(labels).get("model_name") == model for n, labels in before
-               if n.startswith("vllm:"))  # fmt: skip
-    r = client.completions.create(model=model, prompt=["Count the tokens", "Twice"],
-                                  max_tokens=9, temperature=0.5, n=2)  # fmt: skip
+    assert all(
+        dict(labels).get("model_name") == model for n, labels in before if n.startswith("vllm:")
+    )
+    r = client.completions.create(
+        model=model, prompt=["Count the tokens", "Twice"], max_tokens=9, temperature=0.5, n=2
+    )
     after = scrape(server)
 
     def delta(name: str, **labels: str) -> float:
@@ -222,11 +250,21 @@ def test_metrics_are_pinned_and_token_counters_match_usage(server, client, model
 
 
 def test_disconnect_mid_stream_frees_the_kv_cache(server, model):
-    body = {"model": model, "prompt": "Go on forever", "max_tokens": 1500, "ignore_eos": True,
-            "stream": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "Go on forever",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(body),
-                 headers={"Content-Type": "application/json"})  # fmt: skip
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     events = 0

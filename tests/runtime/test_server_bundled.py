@@ -37,14 +37,16 @@ def test_models_lists_the_bundled_name(client):
 
 
 def test_chat_answers_paris(client):
-    r = client.chat.completions.create(model=BUNDLED_NAME, messages=QUESTION, max_tokens=24,
-                                       temperature=0)  # fmt: skip
+    r = client.chat.completions.create(
+        model=BUNDLED_NAME, messages=QUESTION, max_tokens=24, temperature=0
+    )
     assert "Paris" in r.choices[0].message.content
 
 
 def test_streamed_chat_answers_paris_and_stops_on_its_own(client):
-    stream = client.chat.completions.create(model=BUNDLED_NAME, messages=QUESTION,
-                                            max_tokens=64, temperature=0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=BUNDLED_NAME, messages=QUESTION, max_tokens=64, temperature=0, stream=True
+    )
     chunks = [c for c in stream if c.choices]
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert "Paris" in text

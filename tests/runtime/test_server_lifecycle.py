@@ -37,10 +37,19 @@ def test_health_waits_for_the_model_and_sigterm_drains_in_flight_requests(
         assert seen[0] == 503 and seen[-1] == 200  # the port opens before the model is ready
 
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        body = {"prompt": "A long story", "max_tokens": 200, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        conn.request("POST", "/v1/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "prompt": "A long story",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         events = _read_events(resp, 3)

@@ -33,10 +33,19 @@ def server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     with running_server(
-        tiny_llama_dir, tmp_path_factory.mktemp("serve-limits"),
-        "--api-key", KEY, "--max-waiting-requests", "1", "--max-num-seqs", "1",
-        "--max-body-bytes", str(MAX_BODY), "--max-model-len", str(MAX_MODEL_LEN),
-    ) as s:  # fmt: skip
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("serve-limits"),
+        "--api-key",
+        KEY,
+        "--max-waiting-requests",
+        "1",
+        "--max-num-seqs",
+        "1",
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ) as s:
         yield s
 
 
@@ -149,8 +158,9 @@ def test_the_openai_client_sees_typed_errors(server, model):
 
 
 def test_unknown_model_and_route_are_404(server):
-    err = assert_error(post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404,
-                       "model", "gpt-4")  # fmt: skip
+    err = assert_error(
+        post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model", "gpt-4"
+    )
     assert err["code"] == "model_not_found"
     assert_error(request(server.port, "GET", "/v1/nothing", headers=AUTH), 404)
 
@@ -165,10 +175,19 @@ def _open_stream(
     server: ServerProcess, model: str, max_tokens: int
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"model": model, "prompt": "Keep going", "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    conn.request("POST", "/v1/completions", body=json.dumps(body),
-                 headers={**AUTH, "Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "Keep going",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(body),
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     return conn, resp
