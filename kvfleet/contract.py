@@ -61,7 +61,9 @@ OPERATOR_RECONCILE_ERRORS = "kvfleet_operator_reconcile_errors"  # counter, labe
 OPERATOR_RECONCILE_DURATION = "kvfleet_operator_reconcile_duration_seconds"  # histogram
 INFERENCESERVICE_REPLICAS = "kvfleet_inferenceservice_replicas"  # gauge, namespace, name
 INFERENCESERVICE_READY_REPLICAS = "kvfleet_inferenceservice_ready_replicas"  # gauge
-INFERENCESERVICE_DESIRED_REPLICAS = "kvfleet_inferenceservice_desired_replicas"  # gauge (autoscaler)
+INFERENCESERVICE_DESIRED_REPLICAS = (
+    "kvfleet_inferenceservice_desired_replicas"  # gauge (autoscaler)
+)
 INFERENCESERVICE_READY = "kvfleet_inferenceservice_ready"  # gauge 0/1 (Ready condition)
 
 
