@@ -270,8 +270,9 @@ def write_status(
                 return
             if exc.status != 409:
                 raise
-    log.info("%s/%s: status changed under every write attempt; the next poll writes it",
-             namespace, name)  # fmt: skip
+    log.info(
+        "%s/%s: status changed under every write attempt; the next poll writes it", namespace, name
+    )
 
 
 async def read_samples(
@@ -424,8 +425,12 @@ def register(registry: kopf.OperatorRegistry, config: Any) -> None:
                 except KubeApiError as exc:
                     if not exc.retryable:
                         raise
-                    log.warning("%s/%s: Kubernetes API: %s; retrying next poll",
-                                body.metadata.get("namespace"), body.metadata.get("name"), exc)  # fmt: skip
+                    log.warning(
+                        "%s/%s: Kubernetes API: %s; retrying next poll",
+                        body.metadata.get("namespace"),
+                        body.metadata.get("name"),
+                        exc,
+                    )
                     report = None
                 if report is not None:
                     for observe in observers:

@@ -48,12 +48,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--duration", type=float, default=75.0, metavar="S",
-                   help="seconds of load once the first pod is ready (default 75; at least 30)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("autoscaling-timeline.png"), metavar="PNG",
-                   help="where to write the timeline plot (default autoscaling-timeline.png)")  # fmt: skip
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="also write the timeline as JSON")  # fmt: skip
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=75.0,
+        metavar="S",
+        help="seconds of load once the first pod is ready (default 75; at least 30)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("autoscaling-timeline.png"),
+        metavar="PNG",
+        help="where to write the timeline plot (default autoscaling-timeline.png)",
+    )
+    p.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="also write the timeline as JSON"
+    )
     p.set_defaults(func=run)
 
 
@@ -87,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
         emulator = _emulator_module()
     except (ImportError, RuntimeError) as exc:
-        print(f"kvfleet demo autoscale: error: {exc}\n(the demo needs a source checkout with "
-              "the test extras: pip install -e '.[test]')", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvfleet demo autoscale: error: {exc}\n(the demo needs a source checkout with "
+            "the test extras: pip install -e '.[test]')",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("kopf", "aiohttp.access", "kvfleet.kubelet_sim", "kvfleet.autoscaler"):
@@ -139,8 +153,10 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
         ready = len(sim.endpoints(NAME)) if sim else 0
         kv = "  –" if report.mean_kv_usage is None else f"{report.mean_kv_usage * 100:3.0f}%"
         change = f"{report.current} → {report.desired}" if report.scaled else f"{report.current}"
-        line = (f"t={report.at - t0:6.1f}s  waiting {report.total_waiting:4.0f}  running "
-                f"{report.total_running:3.0f}  KV {kv}  replicas {change:<6} ready {ready}")  # fmt: skip
+        line = (
+            f"t={report.at - t0:6.1f}s  waiting {report.total_waiting:4.0f}  running "
+            f"{report.total_running:3.0f}  KV {kv}  replicas {change:<6} ready {ready}"
+        )
         if report.scaled:
             line += f"  {report.reason}"
         print(line, flush=True)
@@ -152,13 +168,20 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
         async with emulator, kmock.Server(emulator, server_cls=server_cls) as server:
             kubeconfig = Path(tmp) / "kubeconfig"
             url = str(server.url).rstrip("/")
-            kubeconfig.write_text(yaml.safe_dump({
-                "apiVersion": "v1", "kind": "Config",
-                "clusters": [{"name": "demo", "cluster": {"server": url}}],
-                "users": [{"name": "demo", "user": {"token": "demo"}}],
-                "contexts": [{"name": "demo", "context": {"cluster": "demo", "user": "demo"}}],
-                "current-context": "demo",
-            }))  # fmt: skip
+            kubeconfig.write_text(
+                yaml.safe_dump(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "clusters": [{"name": "demo", "cluster": {"server": url}}],
+                        "users": [{"name": "demo", "user": {"token": "demo"}}],
+                        "contexts": [
+                            {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+                        ],
+                        "current-context": "demo",
+                    }
+                )
+            )
             os.environ["KUBECONFIG"] = str(kubeconfig)
             os.environ.pop("KUBERNETES_SERVICE_HOST", None)
             api = KubeApi.from_environment()
@@ -191,10 +214,13 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
                 async with sim, aiohttp.ClientSession() as session:
                     await asyncio.to_thread(ready.wait, 30)
                     emulator.create_object(_ISVC, _inference_service())
-                    print(f"InferenceService {NAMESPACE}/{NAME}: autoscaling 1..{MAX_REPLICAS}"
-                          f" on queue > {TARGET_QUEUE} per replica or KV > 80%, poll "
-                          f"{POLL_SECONDS}s, scale-down window {DOWN_WINDOW_SECONDS}s; "
-                          "waiting for the first pod…", flush=True)  # fmt: skip
+                    print(
+                        f"InferenceService {NAMESPACE}/{NAME}: autoscaling 1..{MAX_REPLICAS}"
+                        f" on queue > {TARGET_QUEUE} per replica or KV > 80%, poll "
+                        f"{POLL_SECONDS}s, scale-down window {DOWN_WINDOW_SECONDS}s; "
+                        "waiting for the first pod…",
+                        flush=True,
+                    )
                     deadline = time.monotonic() + 180
                     while not sim.endpoints(NAME):
                         crash = next((e for e in sim.events if e.what == "crashed"), None)
@@ -207,15 +233,22 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
                             return 1
                         await asyncio.sleep(0.2)
                     serving.set()
-                    load = EndpointLoad(lambda: sim.endpoints(NAME), model=NAME,
-                                        max_tokens=MAX_TOKENS)  # fmt: skip
-                    plan = (("light", 0.15, 1), ("heavy", 0.4, HEAVY_CONCURRENCY),
-                            ("light", 0.45, 2))  # fmt: skip
+                    load = EndpointLoad(
+                        lambda: sim.endpoints(NAME), model=NAME, max_tokens=MAX_TOKENS
+                    )
+                    plan = (
+                        ("light", 0.15, 1),
+                        ("heavy", 0.4, HEAVY_CONCURRENCY),
+                        ("light", 0.45, 2),
+                    )
                     heavy: asyncio.Task[list[Any]] | None = None
                     for phase, share, concurrency in plan:
                         start = time.time()
-                        print(f"--- {phase} load: {concurrency} concurrent requests for "
-                              f"{share * args.duration:.0f}s", flush=True)  # fmt: skip
+                        print(
+                            f"--- {phase} load: {concurrency} concurrent requests for "
+                            f"{share * args.duration:.0f}s",
+                            flush=True,
+                        )
                         halt = asyncio.Event()
                         task = asyncio.create_task(load.steady(session, concurrency, halt))
                         await asyncio.sleep(share * args.duration)
@@ -273,8 +306,10 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
     plot_timeline(timeline, args.out)
     ups = sum(1 for p in polls if p.scaled and p.desired > p.current)
     downs = sum(1 for p in polls if p.scaled and p.desired < p.current)
-    print(f"{len(results)} requests, {len(failed)} failed; {ups} scale-ups, {downs} scale-downs; "
-          f"peak {max((p.desired for p in polls), default=0)} replicas; plot: {args.out}")  # fmt: skip
+    print(
+        f"{len(results)} requests, {len(failed)} failed; {ups} scale-ups, {downs} scale-downs; "
+        f"peak {max((p.desired for p in polls), default=0)} replicas; plot: {args.out}"
+    )
     for e in crashed:
         print(f"pod {e['pod']} {e['event']}: {e['detail']}", file=sys.stderr)
     if failed:
@@ -332,8 +367,13 @@ def plot_timeline(timeline: dict[str, Any], path: Path) -> None:
     fig, (ax_q, ax_kv, ax_r) = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
     ax_q.plot(t, [p["waiting"] for p in polls], label="waiting (all pods)", color="tab:red")
     ax_q.plot(t, [p["running"] for p in polls], label="running", color="tab:gray", lw=1)
-    ax_q.axhline(timeline["settings"]["targetQueueDepth"], ls=":", color="tab:red", lw=1,
-                 label="target per replica")  # fmt: skip
+    ax_q.axhline(
+        timeline["settings"]["targetQueueDepth"],
+        ls=":",
+        color="tab:red",
+        lw=1,
+        label="target per replica",
+    )
     ax_q.set_ylabel("requests")
     ax_q.legend(loc="upper right", fontsize=8)
     kv = [None if p["kv_usage"] is None else p["kv_usage"] * 100 for p in polls]

@@ -245,8 +245,9 @@ class KubeletSim:
         active = self.active(name)
         for _ in range(want - len(active)):
             if len(self.pods) >= self.max_pods:
-                log.warning("kubelet-sim: %s wants %d pods; at most %d run", name, want,
-                            self.max_pods)  # fmt: skip
+                log.warning(
+                    "kubelet-sim: %s wants %d pods; at most %d run", name, want, self.max_pods
+                )
                 break
             await self._start_pod(deployment)
         if len(active) > want:
@@ -350,8 +351,9 @@ class KubeletSim:
         try:
             # Deleting starts graceful termination; the finalizer keeps the object meanwhile.
             with contextlib.suppress(KubeApiError):
-                await asyncio.to_thread(self.api.request, "DELETE",
-                                        self.api.path(PODS, self.namespace, pod.name))  # fmt: skip
+                await asyncio.to_thread(
+                    self.api.request, "DELETE", self.api.path(PODS, self.namespace, pod.name)
+                )
             await self._write_pod_status(pod)
             if prestop and pod.prestop_seconds:
                 await asyncio.sleep(pod.prestop_seconds)

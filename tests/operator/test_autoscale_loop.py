@@ -254,8 +254,11 @@ async def test_prometheus_as_the_source(operator, fake_pods, polls):
 
     async def query(request: web.Request) -> web.Response:
         q = request.query["query"]
-        key = next(k for k in answers if {"waiting": "waiting", "running": "running",
-                                          "kv_usage": "kv_cache"}[k] in q)  # fmt: skip
+        key = next(
+            k
+            for k in answers
+            if {"waiting": "waiting", "running": "running", "kv_usage": "kv_cache"}[k] in q
+        )
         result = [{"metric": {"pod": "chat-a"}, "value": [0, str(answers[key])]}]
         return web.json_response(
             {"status": "success", "data": {"resultType": "vector", "result": result}}
