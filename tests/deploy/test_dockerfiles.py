@@ -153,11 +153,19 @@ def test_operator_image_installs_no_torch_and_kvfleet_without_deps() -> None:
     assert "slim" in OPERATOR.froms[-1] and "python" in OPERATOR.froms[-1]
 
 
+# `kvfleet demo autoscale` emulates a cluster (kmock) and plots (matplotlib): it runs from a
+# source checkout with the test extra, never in the operator image, which stays small.
+SOURCE_CHECKOUT_ONLY = {"cmd_demo.py": {"kmock", "matplotlib"}}
+
+
 def test_operator_image_installs_every_operator_import() -> None:
     reqs, _ = requirements(OPERATOR.pip_installs())
     # runtime/cli.py is the console script's entry point, so the operator image runs it too.
     imports = third_party_imports("operator", "kvfleet", files=("runtime/cli.py",))
-    missing = {dist: sorted(files) for dist, files in imports.items() if dist not in reqs}
+    for file, dists in SOURCE_CHECKOUT_ONLY.items():
+        for dist in dists:
+            imports.get(dist, set()).discard(file)
+    missing = {d: sorted(f) for d, f in imports.items() if f and d not in reqs}
     assert not missing, f"operator image lacks packages its code imports: {missing}"
 
 
