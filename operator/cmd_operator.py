@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from kvfleet.operator.spec import DEFAULT_IMAGE
 
 from kvfleet import contract
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 DESCRIPTION = """\
 Run the kvfleet operator: turn InferenceService objects into a Deployment and a Service,
@@ -70,7 +75,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="largest GPU count one node offers; a spec asking more per replica is Degraded (default 8)",
     )
-    p.add_argument("--verbose", "-v", action="store_true", help="log every handler call")
+    p.add_argument(
+        "--default-runtime-image",
+        metavar="IMAGE",
+        default=os.environ.get("KVFLEET_DEFAULT_RUNTIME_IMAGE", DEFAULT_IMAGE),
+        help="runtime image for InferenceServices that name none "
+        f"(env KVFLEET_DEFAULT_RUNTIME_IMAGE; default {DEFAULT_IMAGE})",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        type=str.upper,
+        default=os.environ.get("KVFLEET_LOG_LEVEL", "INFO").upper(),
+        help="log verbosity (env KVFLEET_LOG_LEVEL; default INFO)",
+    )
+    p.add_argument("--verbose", "-v", action="store_true", help="log every handler call (DEBUG)")
     p.set_defaults(func=run)
 
 
@@ -84,12 +103,17 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet.operator.handlers import OperatorConfig, build_registry
 
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    registry = build_registry(OperatorConfig(max_gpus_per_node=args.max_gpus_per_node))
+    registry = build_registry(
+        OperatorConfig(
+            max_gpus_per_node=args.max_gpus_per_node,
+            default_runtime_image=args.default_runtime_image,
+        )
+    )
     clusterwide = args.all_namespaces or not args.namespace
     asyncio.run(
         kopf.operator(

@@ -23,6 +23,7 @@ from kvfleet.operator.render import (
     render_service,
     selector_string,
 )
+from kvfleet.operator.spec import DEFAULT_IMAGE
 from kvfleet.operator.spec_check import DEFAULT_MAX_GPUS_PER_NODE, SpecProblem, check_spec
 from kvfleet.operator.status import compute_status
 
@@ -39,6 +40,7 @@ class OperatorConfig:
     """What the handlers need beyond the objects: limits and, once started, the API client."""
 
     max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
+    default_runtime_image: str = DEFAULT_IMAGE  # for specs that name no runtime image
     api: KubeApi | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -76,7 +78,10 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=problems)
     try:
         deployment, _ = apply_child(
-            api, DEPLOYMENTS, render_deployment(isvc), keep_live_replicas=spec.autoscaling.enabled
+            api,
+            DEPLOYMENTS,
+            render_deployment(isvc, config.default_runtime_image),
+            keep_live_replicas=spec.autoscaling.enabled,
         )
         apply_child(api, SERVICES, render_service(isvc))
         pods = api.list(PODS, namespace, selector_string(name))

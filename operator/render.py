@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator.model_uri import parse_model_uri
-from kvfleet.operator.spec import InferenceServiceSpec, parse_spec
+from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, parse_spec
 
 from kvfleet import contract
 
@@ -163,7 +163,9 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dic
     return volumes, mounts
 
 
-def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+def pod_template(
+    spec: InferenceServiceSpec, name: str, default_image: str = DEFAULT_IMAGE
+) -> dict[str, Any]:
     """The pod template: the runtime container, probes, volumes, scheduling and security."""
     volumes, mounts = _volumes(spec)
     annotations = {
@@ -177,7 +179,7 @@ def pod_template(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     grace = PRESTOP_SLEEP_SECONDS + spec.runtime.drain_timeout_seconds + GRACE_MARGIN_SECONDS
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec.runtime.image,
+        "image": spec.runtime.image or default_image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["kvfleet"],
         "args": runtime_args(spec, name),
@@ -223,8 +225,11 @@ def initial_replicas(spec: InferenceServiceSpec) -> int:
     return spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas
 
 
-def render_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """The Deployment for an InferenceService object (metadata with uid, generation; spec)."""
+def render_deployment(
+    isvc: Mapping[str, Any], default_image: str = DEFAULT_IMAGE
+) -> dict[str, Any]:
+    """The Deployment for an InferenceService object (metadata with uid, generation; spec);
+    `default_image` runs when the spec names no runtime image."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     spec = parse_spec(isvc.get("spec") or {})
@@ -248,7 +253,7 @@ def render_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
             },
             "revisionHistoryLimit": 5,
             "progressDeadlineSeconds": STARTUP_PROBE_PERIOD * STARTUP_PROBE_FAILURES + 600,
-            "template": pod_template(spec, name),
+            "template": pod_template(spec, name, default_image),
         },
     }
 

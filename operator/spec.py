@@ -44,7 +44,7 @@ class ModelSpec:
 class RuntimeSpec:
     """Engine settings; each becomes a `kvfleet serve` flag."""
 
-    image: str = DEFAULT_IMAGE
+    image: str | None = None  # None: the operator's --default-runtime-image
     image_pull_policy: str = "IfNotPresent"
     max_model_len: int = 4096
     block_size: int = 16
@@ -178,7 +178,7 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     if not all(isinstance(a, str) for a in extra):
         raise SpecError(f"{rp}.extraArgs", "must be a list of strings")
     runtime = RuntimeSpec(
-        image=_get(rt, "image", str, d.image, rp),
+        image=_get(rt, "image", str, None, rp),
         image_pull_policy=_get(rt, "imagePullPolicy", str, d.image_pull_policy, rp),
         max_model_len=_get(rt, "maxModelLen", int, d.max_model_len, rp),
         block_size=_get(rt, "blockSize", int, d.block_size, rp),

@@ -24,16 +24,9 @@ COMMAND_MODULES = (
 
 
 def register_commands(sub: argparse._SubParsersAction, modules: tuple[str, ...]) -> None:
-    """Call each command module's `register(sub)`. A module absent from this checkout is
-    skipped (so is its command); an import error inside a present module is raised."""
+    """Call each command module's `register(sub)`."""
     for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

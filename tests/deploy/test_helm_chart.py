@@ -152,14 +152,16 @@ def test_image_and_runtime_image_default_to_the_app_version(chart: helm.Chart) -
     assert env["KVFLEET_LOG_LEVEL"] == "INFO"
 
 
-def test_chart_default_runtime_image_matches_the_crd_default() -> None:
-    # Two defaults that disagree would give different pods for the same InferenceService
-    # depending on which one applied.
+def test_runtime_image_default_lives_in_the_operator_not_the_crd() -> None:
+    # A CRD default would be written into every object and the chart's defaultRuntimeImage
+    # (the operator's --default-runtime-image) could never take effect.
+    from kvfleet.operator.spec import DEFAULT_IMAGE
+
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml").read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    crd_default = spec["properties"]["runtime"]["properties"]["image"]["default"]
-    assert crd_default == f"ghcr.io/kvfleet/runtime:{kvfleet.__version__}"
+    assert "default" not in spec["properties"]["runtime"]["properties"]["image"]
+    assert f"ghcr.io/kvfleet/runtime:{kvfleet.__version__}" == DEFAULT_IMAGE
 
 
 def test_every_value_override_reaches_the_deployment(chart: helm.Chart) -> None:

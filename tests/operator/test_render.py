@@ -98,6 +98,24 @@ def test_image_and_pull_policy():
     assert c["image"] == "registry.local/kvfleet:dev" and c["imagePullPolicy"] == "Always"
 
 
+def test_image_defaults_to_the_operators_runtime_image():
+    from kvfleet.operator.spec import DEFAULT_IMAGE
+
+    plain = render_deployment(isvc())["spec"]["template"]["spec"]["containers"][0]
+    assert plain["image"] == DEFAULT_IMAGE
+    platform = render_deployment(isvc(), default_image="registry.local/runtime:1.2")
+    assert (
+        platform["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "registry.local/runtime:1.2"
+    )
+    pinned = render_deployment(
+        isvc(runtime={"image": "registry.local/kvfleet:dev"}), default_image="registry.local/x:1"
+    )
+    assert (
+        pinned["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/kvfleet:dev"
+    )
+
+
 def test_file_uri_is_a_local_path():
     args = container(isvc(model={"uri": "file:///opt/models/qwen"}))["args"]
     assert flag(args, "--model") == "/opt/models/qwen"
