@@ -126,7 +126,6 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
     import aiohttp
     import aiohttp.test_utils
     import kmock
-    import kopf
     import yaml
     from kvfleet.operator.autoscale_loop import (
         OBSERVERS_SETTING,
@@ -135,6 +134,7 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
     )
     from kvfleet.operator.demo_load import EndpointLoad
     from kvfleet.operator.handlers import OperatorConfig, build_registry
+    from kvfleet.operator.kopf_thread import start_kopf_thread
     from kvfleet.operator.kube_api import KubeApi
     from kvfleet.operator.kubelet_sim import KubeletSim
 
@@ -190,29 +190,11 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
             config = OperatorConfig(api=KubeApi.from_environment())
             config.extra[RUNTIME_PORT_SETTING] = sim.port
             config.extra[OBSERVERS_SETTING] = [on_poll]
-            settings = kopf.OperatorSettings()
-            settings.scanning.disabled = True
-            settings.watching.reconnect_backoff = 0.1
-            stop, ready = threading.Event(), threading.Event()
-            kopf_thread = threading.Thread(
-                target=kopf.run,
-                kwargs=dict(
-                    registry=build_registry(config),
-                    settings=settings,
-                    clusterwide=True,
-                    standalone=True,
-                    stop_flag=stop,
-                    ready_flag=ready,
-                    memo=kopf.Memo(),
-                ),
-                name="kopf",
-                daemon=True,
-            )
-            kopf_thread.start()
+            running = start_kopf_thread(build_registry(config))
             results: list[Any] = []
             try:
                 async with sim, aiohttp.ClientSession() as session:
-                    await asyncio.to_thread(ready.wait, 30)
+                    await asyncio.to_thread(running.ready.wait, 30)
                     emulator.create_object(_ISVC, _inference_service())
                     print(
                         f"InferenceService {NAMESPACE}/{NAME}: autoscaling 1..{MAX_REPLICAS}"
@@ -262,10 +244,10 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
                         results += await heavy
                     sim.raise_on_task_error()
             finally:
-                stop.set()
+                running.stop.set()
                 emulator.close_watches()
                 config.api.api_client.rest_client.pool_manager.clear()
-                await asyncio.to_thread(kopf_thread.join, 15)
+                await asyncio.to_thread(running.thread.join, 15)
             events = [
                 {"t": e.at - t0, "pod": e.pod, "ip": e.ip, "event": e.what, "detail": e.detail}
                 for e in sim.events

@@ -14,6 +14,7 @@ import time
 
 import aiohttp
 import pytest
+from kube_harness import DEPLOYMENT, ISVC, eventually, isvc_with
 from kvfleet.operator.autoscale_loop import (
     AUTOSCALER_READY,
     OBSERVERS_SETTING,
@@ -24,7 +25,6 @@ from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.demo_load import EndpointLoad
 from kvfleet.operator.kube_api import KubeApi
 from kvfleet.operator.kubelet_sim import KubeletSim, choose_port, pod_ips
-from operator_fixtures import DEPLOYMENT, ISVC, eventually, isvc_with
 
 NS = "default"
 NAME = "chat"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from aiohttp import web
-from conftest import DEPLOYMENT, ISVC, POD, eventually, isvc_with
+from kube_harness import DEPLOYMENT, ISVC, POD, eventually, isvc_with
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscale_loop import (
     AUTOSCALER_READY,

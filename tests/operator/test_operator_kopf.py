@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import (
+from kube_harness import (
     DEPLOYMENT,
     ISVC,
     POD,
