@@ -161,6 +161,8 @@ class AsyncEngine:
                 from kvfleet.runtime.engine import LLMEngine
 
                 self.engine = LLMEngine(self.config, observer=self._observer)
+            # Loaded means able to generate: a short warm-up generation proves it.
+            self.engine.warm_up()
         except BaseException as exc:
             self._error = exc
             self._call_loop(self._set_loaded, exc)

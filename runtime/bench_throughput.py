@@ -71,14 +71,8 @@ def measure_matmul_flops(dtype: Any, device: Any, size: int = 2048, repeats: int
 def run_engine(engine: Any, workload: list[Any], temperature: float = 0.0) -> EngineRun:
     from kvfleet.runtime.sampling_params import SamplingParams
 
-    # Warm-up outside the timed region (first-call allocations, oneDNN kernel selection).
-    engine.add_request(
-        "warmup",
-        workload[0].prompt_token_ids[:32],
-        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-    )
-    while engine.has_unfinished_requests():
-        engine.step()
+    # Outside the timed region: first-call allocations, oneDNN kernel selection.
+    engine.warm_up()
     engine.kv.reset_prefix_cache()
     preempt0 = engine.scheduler.num_preemptions
 

@@ -1,7 +1,7 @@
 """`kvfleet serve`: the OpenAI-compatible server every runtime pod runs.
 
 Lifecycle: the HTTP port opens first (so /health answers 503 while the model loads), the
-engine loads in its own thread, a one-token warm-up generation runs, then /health turns 200.
+engine loads in its own thread and passes a short warm-up generation, then /health turns 200.
 SIGTERM (or SIGINT) drains: /health 503, new requests 503, in-flight requests finish within
 --drain-timeout, exit 0.
 """
@@ -110,7 +110,6 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
     from aiohttp import web
     from kvfleet.runtime.async_engine import AsyncEngine
     from kvfleet.runtime.runtime_metrics import RuntimeMetrics
-    from kvfleet.runtime.sampling_params import SamplingParams
     from kvfleet.runtime.served_name import served_model_name
     from kvfleet.runtime.server import OpenAIServer, ServerSettings
 
@@ -159,17 +158,8 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
         await runner.cleanup()
         return 1
 
-    # The warm-up proves the whole path (prefill, decode, sampling, detokenizing) works before
-    # the pod reports ready.
-    warm_ids = engine.engine.encode("Hello") or [0]  # type: ignore[union-attr]
-    try:
-        async for _ in engine.generate("warmup", warm_ids, SamplingParams(max_tokens=1)):
-            pass
-    except Exception as exc:
-        log.error("warm-up generation failed: %s", exc)
-        await engine.stop()
-        await runner.cleanup()
-        return 1
+    # engine.start() returned after the engine thread's warm-up generation passed (prefill,
+    # decode, sampling, detokenizing): only now may the pod report ready.
     server.ready = True
     log.info("ready: serving %r on http://%s:%s", name, args.host, args.port)
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from kvfleet.runtime.config import ConfigError, EngineConfig
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kvfleet.runtime.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.request import CompletionOutput, Request, RequestOutput, TokenLogprob
 from kvfleet.runtime.sampler import Sampler
@@ -223,6 +223,24 @@ class LLMEngine:
             self.scheduler.add(r)
         self.counters.prompt_tokens += len(ids)
 
+    def warm_up(self) -> None:
+        """A short generation (a prefill and a decode step) outside every counter and
+        observer: proves the model, cache, sampler and detokenizer work before a server
+        reports ready, and takes first-call costs out of benchmarks, without showing in
+        anyone's metrics."""
+        observer, self.observer = self.observer, None
+        prompt = self.encode("Hello, how are you?") or [0]
+        try:
+            self.add_request(
+                "__warmup__", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+            )
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            self.observer = observer
+            self.counters = EngineCounters()
+            self.kv.stats = PrefixCacheStats()
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at once and free its blocks; False if it is unknown or done."""
         children = self._groups.get(request_id)
@@ -280,7 +298,7 @@ class LLMEngine:
         may_stop = r.num_output_tokens >= p.min_tokens
         detok = self._detok[r.request_id]
         if may_stop and not p.ignore_eos and token in r.eos_token_ids:
-            self._finish(r, "stop", token, now)
+            self._finish(r, "stop", None, now)  # EOS: no stop_reason, as in vLLM's API
             return
         if may_stop and token in p.stop_token_ids:
             self._finish(r, "stop", token, now)

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 from kvfleet.runtime.served_name import BUNDLED_NAME
-from server_fixtures import ServerProcess, running_server
+from server_fixtures import ServerProcess, running_server, scrape
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,6 +32,25 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
 
 
+def test_a_fresh_server_shows_no_traffic_in_its_metrics(server):
+    # The warm-up generation that gates /health is not user traffic: it must not show.
+    # (First in this module: later tests send requests.)
+    samples = scrape(server)
+    traffic = [
+        value
+        for (name, _), value in samples.items()
+        if name
+        in (
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:request_success_total",
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:e2e_request_latency_seconds_count",
+        )
+    ]
+    assert traffic and all(v == 0 for v in traffic), samples
+
+
 def test_models_lists_the_bundled_name(client):
     assert [m.id for m in client.models.list().data] == [BUNDLED_NAME]
 
@@ -41,6 +60,9 @@ def test_chat_answers_paris(client):
         model=BUNDLED_NAME, messages=QUESTION, max_tokens=24, temperature=0
     )
     assert "Paris" in r.choices[0].message.content
+    # It ended on the model's end-of-turn token: finish_reason stop, no stop_reason (as vLLM).
+    choice = r.model_dump()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice.get("stop_reason") is None
 
 
 def test_streamed_chat_answers_paris_and_stops_on_its_own(client):
