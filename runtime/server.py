@@ -8,6 +8,7 @@ draining, and when more than `max_waiting_requests` are already queued.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import uuid
@@ -110,7 +111,8 @@ class OpenAIServer:
         if key and request.path not in OPEN_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != key:
+            # Constant-time comparison: response timing must not reveal the key's prefix.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
                 raise APIError(
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
