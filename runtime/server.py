@@ -112,7 +112,9 @@ class OpenAIServer:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             # Constant-time comparison: response timing must not reveal the key's prefix.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), key.encode()
+            ):
                 raise APIError(
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
