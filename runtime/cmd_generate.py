@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfleet.runtime.config import ConfigError, add_engine_args, engine_config_from_args
+from kvfleet.runtime.config import add_engine_args, engine_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,21 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument(
-        "--request-seed",
-        dest="request_seed",
-        type=int,
-        default=None,
-        help="seed for this request's sampling (same seed, same text)",
-    )
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvfleet.runtime.llm import LLM
-    from kvfleet.runtime.loader import ModelLoadError
-    from kvfleet.runtime.sampling_params import SamplingParams, SamplingParamsError
+    from kvfleet.runtime.sampling_params import SamplingParams
 
     try:
         config = engine_config_from_args(args)
@@ -47,17 +39,14 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=args.request_seed if args.request_seed is not None else args.seed,
+            seed=args.seed,  # --seed: same seed, same text
         )
-        from dataclasses import asdict
-
-        options = {k: v for k, v in asdict(config).items() if k != "model"}
-        llm = LLM(config.model, **options)
+        llm = LLM(config)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)
         else:
             out = llm.generate(args.prompt, params)
-    except (ConfigError, ModelLoadError, SamplingParamsError, ValueError) as e:
+    except ValueError as e:  # config, model, sampling and request errors all are: bad input
         print(f"kvfleet generate: error: {e}", file=sys.stderr)
         return 2
     print(out[0].outputs[0].text)

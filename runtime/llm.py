@@ -18,8 +18,14 @@ Messages = list[dict[str, Any]]
 class LLM:
     """Runs the engine to completion for a batch of prompts, all scheduled together."""
 
-    def __init__(self, model: str = "bundled", **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    def __init__(self, model: str | EngineConfig = "bundled", **engine_options: Any) -> None:
+        """`model` as for --model (with EngineConfig's fields as keyword options: dtype,
+        block_size, max_model_len, ...), or a whole EngineConfig."""
+        if isinstance(model, EngineConfig):
+            config = model
+        else:
+            config = EngineConfig(model=model, **engine_options)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
