@@ -107,7 +107,15 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_float,  # scale
         ctypes.c_int,  # num_threads
     ]
+    lib.kvfleet_cpu_attention_bf16_dot.restype = ctypes.c_int
+    lib.kvfleet_cpu_attention_bf16_dot.argtypes = []
     return lib
+
+
+def uses_bf16_dot() -> bool:
+    """Whether the built kernel computes bf16 caches with AVX512-BF16 dot products (gcc saw
+    AVX512-BF16 under -march=native) rather than by widening K/V blocks to float32."""
+    return available() and bool(_library().kvfleet_cpu_attention_bf16_dot())
 
 
 def available() -> bool:

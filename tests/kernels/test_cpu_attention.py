@@ -2,6 +2,7 @@
 plus its fallbacks: disabled by KVFLEET_CPU_KERNELS=0, or unbuildable (broken compiler)."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,13 @@ def _kernel_enabled(monkeypatch):
 def test_kernel_builds_here():
     """gcc is on every machine these tests run on: a build failure is a bug, not a skip."""
     assert cpu_attention.available()
+
+
+def test_bf16_dot_path_built_where_the_cpu_has_it():
+    """On a CPU with AVX512-BF16 the bf16 cases above run the dot-product path, not the
+    widening one: -march=native must have enabled it."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert cpu_attention.uses_bf16_dot() == ("avx512_bf16" in flags)
 
 
 @pytest.mark.parametrize(
