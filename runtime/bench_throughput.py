@@ -187,18 +187,26 @@ def run(args: argparse.Namespace) -> int:
         f"device {engine.device}, dtype {engine.dtype}, threads {torch.get_num_threads()}",
         file=sys.stderr,
     )
-    # The rate of a shared machine drifts (2x between runs an hour apart here): measure it on
-    # both sides of the engine run and divide by the higher one, so MFU is never flattered.
-    matmul_before = measure_matmul_flops(engine.dtype, engine.device)
-    result = run_engine(engine, workload)
-    matmul_after = measure_matmul_flops(engine.dtype, engine.device)
-    matmul = max(matmul_before, matmul_after)
+    # A shared machine's speed drifts (its GEMM rate moved 2x within one run here), so the
+    # order is A-B-A: engine, baseline, engine again. kvfleet's figure is the mean of its two
+    # runs, which cancels a drift that is linear over the run; the matmul rate is measured at
+    # both ends and MFU divides by the higher one, so it is never flattered.
+    matmul_first = measure_matmul_flops(engine.dtype, engine.device)
+    runs = [run_engine(engine, workload)]
+    baseline: tuple[float, int] | None = None
+    if args.baseline == "hf":
+        baseline = run_hf_baseline(engine, workload)
+        runs.append(run_engine(engine, workload))
+    matmul_last = measure_matmul_flops(engine.dtype, engine.device)
+    matmul = max(matmul_first, matmul_last)
     print(
-        f"matmul rate: {matmul_before / 1e12:.3f} TFLOP/s before, {matmul_after / 1e12:.3f} after",
+        f"matmul rate: {matmul_first / 1e12:.3f} TFLOP/s first, {matmul_last / 1e12:.3f} last",
         file=sys.stderr,
     )
+    result = runs[0]  # step-level figures (utilization, timeline) come from the first run
+    elapsed = statistics.fmean(r.elapsed for r in runs)
     params = engine.model_config.num_parameters()
-    total_tps = (result.prompt_tokens + result.output_tokens) / result.elapsed
+    total_tps = (result.prompt_tokens + result.output_tokens) / elapsed
     out: dict[str, Any] = {
         "model": config.model,
         "device": _device_name(engine.device),
@@ -207,27 +215,28 @@ def run(args: argparse.Namespace) -> int:
         "num_prompts": len(workload),
         "prompt_tokens": result.prompt_tokens,
         "output_tokens": result.output_tokens,
-        "kvfleet_elapsed_s": result.elapsed,
-        "kvfleet_output_tokens_per_s": result.output_tokens / result.elapsed,
+        "kvfleet_elapsed_s": elapsed,
+        "kvfleet_elapsed_runs_s": [r.elapsed for r in runs],
+        "kvfleet_output_tokens_per_s": result.output_tokens / elapsed,
         "kvfleet_total_tokens_per_s": total_tps,
         "model_parameters": params,
         "matmul_flops": matmul,
-        "matmul_flops_before": matmul_before,
-        "matmul_flops_after": matmul_after,
+        "matmul_flops_first": matmul_first,
+        "matmul_flops_last": matmul_last,
         "mfu": total_tps * 2 * params / matmul,
         "kv_utilization": result.kv_utilization,
         "contiguous_kv_utilization": result.contiguous_kv_utilization,
         "peak_running_seqs": result.peak_running_seqs,
-        "preemptions": result.preemptions,
+        "preemptions": sum(r.preemptions for r in runs),
         "steps": result.steps,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
     }
-    if args.baseline == "hf":
-        elapsed, useful = run_hf_baseline(engine, workload)
+    if baseline is not None:
+        base_elapsed, useful = baseline
         out["baseline"] = "hf-static-batching-32"
-        out["baseline_elapsed_s"] = elapsed
-        out["baseline_output_tokens_per_s"] = useful / elapsed
+        out["baseline_elapsed_s"] = base_elapsed
+        out["baseline_output_tokens_per_s"] = useful / base_elapsed
         out["ratio"] = out["kvfleet_output_tokens_per_s"] / out["baseline_output_tokens_per_s"]
     else:
         out["baseline"] = "none"
