@@ -10,10 +10,12 @@ the server once per setting): `--shared-prefix N` (prefix caching on vs off, TTF
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,7 +62,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"every K-th request has a {LONG_PROMPT_TOKENS}-token prompt; chunked "
         "prefill on vs off (needs --spawn)",
     )
+    p.add_argument(
+        "--concurrency-sweep",
+        default=None,
+        metavar="C1,C2,...",
+        help="drive one spawned server at each concurrency in turn (needs --spawn)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="latency CDFs of each run (or, with --concurrency-sweep, throughput and latency "
+        "against concurrency)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -96,6 +111,14 @@ class RunResult:
     e2e_p90: float
     e2e_p99: float
     first_error: str = ""
+    # Raw latencies for the plots ("ttft", "itl", "e2e"); not written to the JSON.
+    samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+    def public(self) -> dict[str, Any]:
+        """The JSON-ready summary (percentiles, no raw samples)."""
+        out = asdict(self)
+        out.pop("samples")
+        return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -133,6 +156,7 @@ def summarize(records: list[RequestRecord], duration: float, concurrency: int) -
         e2e_p90=percentile(e2e, 90),
         e2e_p99=percentile(e2e, 99),
         first_error=errors[0].error if errors else "",
+        samples={"ttft": ttft, "itl": itl, "e2e": e2e},
     )
 
 
@@ -272,12 +296,10 @@ def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list
     return argv + toggles + shlex.split(args.serve_args)
 
 
-async def _run_spawned(
-    args: argparse.Namespace,
-    toggles: list[str],
-    workload: list[tuple[list[int], int]],
-    concurrency: int,
-) -> RunResult:
+@contextlib.asynccontextmanager
+async def spawned_server(args: argparse.Namespace, toggles: list[str]) -> AsyncIterator[str]:
+    """`kvfleet serve` with the engine flags (plus `toggles`) on a free loopback port, healthy;
+    yields its URL and stops it (SIGTERM, then kill) on exit."""
     import asyncio
     import signal
     import socket
@@ -305,12 +327,7 @@ async def _run_spawned(
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.5)
-        print(
-            f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
-            f"{len(workload)} requests at concurrency {concurrency}",
-            file=sys.stderr,
-        )
-        return await drive(url, workload, concurrency, args.timeout)
+        yield url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -320,23 +337,41 @@ async def _run_spawned(
                 proc.kill()
 
 
+async def _run_spawned(
+    args: argparse.Namespace,
+    toggles: list[str],
+    workload: list[tuple[list[int], int]],
+    concurrency: int,
+) -> RunResult:
+    async with spawned_server(args, toggles) as url:
+        print(
+            f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
+            f"{len(workload)} requests at concurrency {concurrency}",
+            file=sys.stderr,
+        )
+        return await drive(url, workload, concurrency, args.timeout)
+
+
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from kvfleet.runtime.loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     workload = build_workload(args, tokenizer)
     result: dict[str, Any] = {"num_prompts": args.num_prompts, "workload_seed": args.workload_seed}
+    runs: dict[str, RunResult] = {}  # label → run, for --plot
 
     async def pair(name: str, metric: str, on: list[str], off: list[str], conc: int) -> None:
         r_on = await _run_spawned(args, on, workload, conc)
         r_off = await _run_spawned(args, off, workload, conc)
+        runs[f"{name.replace('_', ' ')} on"] = r_on
+        runs[f"{name.replace('_', ' ')} off"] = r_off
         key = metric.split("_")[0]
-        result.update(asdict(r_on))
+        result.update(r_on.public())
         result[f"{metric}_on"] = getattr(r_on, metric)
         result[f"{metric}_off"] = getattr(r_off, metric)
         on_v = getattr(r_on, metric)
         result[f"{key}_ratio"] = getattr(r_off, metric) / on_v if on_v else None
-        result[name] = {"on": asdict(r_on), "off": asdict(r_off)}
+        result[name] = {"on": r_on.public(), "off": r_off.public()}
 
     if args.shared_prefix:
         result["shared_prefix_tokens"] = args.shared_prefix
@@ -356,20 +391,42 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             ["--no-enable-chunked-prefill"],
             args.concurrency,
         )
+    elif args.concurrency_sweep:
+        levels = [int(c) for c in args.concurrency_sweep.split(",")]
+        async with spawned_server(args, []) as url:
+            sweep = []
+            for c in levels:
+                print(f"  concurrency {c}: {len(workload)} requests", file=sys.stderr)
+                sweep.append(await drive(url, workload, c, args.timeout))
+        result["sweep"] = [r.public() for r in sweep]
+        if args.plot:
+            from kvfleet.runtime.bench_plots import plot_concurrency_sweep
+
+            plot_concurrency_sweep(sweep, args.plot)
+        return result
     elif args.spawn:
-        result.update(asdict(await _run_spawned(args, [], workload, args.concurrency)))
+        runs[f"concurrency {args.concurrency}"] = await _run_spawned(
+            args, [], workload, args.concurrency
+        )
+        result.update(runs[f"concurrency {args.concurrency}"].public())
     else:
-        result.update(asdict(await drive(args.url, workload, args.concurrency, args.timeout)))
+        run = await drive(args.url, workload, args.concurrency, args.timeout)
+        runs[f"concurrency {args.concurrency}"] = run
+        result.update(run.public())
+    if args.plot:
+        from kvfleet.runtime.bench_plots import plot_latency_cdfs
+
+        plot_latency_cdfs(runs, args.plot)
     return result
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    if (args.shared_prefix or args.long_prompt_every) and not args.spawn:
+    if (args.shared_prefix or args.long_prompt_every or args.concurrency_sweep) and not args.spawn:
         print(
-            "kvfleet bench serve: error: --shared-prefix and --long-prompt-every compare a "
-            "server setting on vs off and need --spawn",
+            "kvfleet bench serve: error: --shared-prefix, --long-prompt-every and "
+            "--concurrency-sweep start their own servers and need --spawn",
             file=sys.stderr,
         )
         return 2
@@ -391,4 +448,5 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             f.write(text + "\n")
     print(text)
-    return 1 if result.get("errors") else 0
+    errors = result.get("errors") or sum(r["errors"] for r in result.get("sweep", []))
+    return 1 if errors else 0

@@ -291,3 +291,18 @@ async def test_bench_serve_drives_the_server_and_counts_every_token(server, offl
     assert result.errors == 0 and result.num_requests == 6
     assert result.output_tokens_per_s * result.duration_s == pytest.approx(sum(range(5, 11)))
     assert 0 < result.ttft_p50 <= result.e2e_p50 and 0 < result.itl_p50 <= result.itl_p99
+
+
+async def test_bench_serve_keeps_samples_out_of_the_json_and_plots_them(server, offline, tmp_path):
+    from kvfleet.runtime.bench_plots import plot_concurrency_sweep, plot_latency_cdfs
+    from kvfleet.runtime.bench_serve import drive
+
+    ids = offline.tokenizer.encode("Plot prompt", add_special_tokens=False)
+    runs = [await drive(server.url, [(ids, 4)] * 4, concurrency=c, timeout=60) for c in (1, 4)]
+    assert len(runs[0].samples["ttft"]) == 4 and len(runs[0].samples["e2e"]) == 4
+    assert 0 < len(runs[0].samples["itl"]) <= 4 * 3
+    assert "samples" not in runs[0].public() and runs[0].public()["concurrency"] == 1
+    plot_latency_cdfs({"concurrency 1": runs[0], "concurrency 4": runs[1]}, tmp_path / "cdf.png")
+    plot_concurrency_sweep(runs, tmp_path / "sweep.png")
+    assert (tmp_path / "cdf.png").stat().st_size > 10_000
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
