@@ -395,9 +395,15 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         levels = [int(c) for c in args.concurrency_sweep.split(",")]
         async with spawned_server(args, []) as url:
             sweep = []
-            for c in levels:
-                print(f"  concurrency {c}: {len(workload)} requests", file=sys.stderr)
-                sweep.append(await drive(url, workload, c, args.timeout))
+            for i, c in enumerate(levels):
+                # Fresh prompts per level (same lengths' distribution): repeating them would
+                # let prefix caching serve later levels from earlier ones.
+                level_args = argparse.Namespace(
+                    **{**vars(args), "workload_seed": args.workload_seed + i}
+                )
+                level_workload = build_workload(level_args, tokenizer)
+                print(f"  concurrency {c}: {len(level_workload)} requests", file=sys.stderr)
+                sweep.append(await drive(url, level_workload, c, args.timeout))
         result["sweep"] = [r.public() for r in sweep]
         if args.plot:
             from kvfleet.runtime.bench_plots import plot_concurrency_sweep
