@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from kvfleet.kernels.triton_dot import dot_precision, mma, upcast_dot
+from kvfleet.kernels.triton_paged import paged_kv_offsets
 
 # Below this many context tokens per split the extra reduce pass costs more than it saves.
 MIN_SPLIT_TOKENS = 256
@@ -85,12 +86,8 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            blk = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            kv_off = (
-                blk[:, None] * stride_cb
-                + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
-                + kvh * stride_ch
-                + offs_d[None, :]
+            kv_off = paged_kv_offsets(
+                table, offs_n, n_mask, kvh, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
             )
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
