@@ -176,3 +176,29 @@ def wait_for_metric(server: ServerProcess, name: str, predicate, timeout: float 
             return value
         time.sleep(0.05)
     raise AssertionError(f"{name} stayed at {value} for {timeout} s")
+
+
+def open_stream(
+    port: int, path: str, body: dict[str, Any], timeout: float = 60
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST a streaming request with the standard library, whose socket a test can close to
+    hang up mid-stream (the openai client hides it); returns the connection and its 200."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:500]
+    return conn, resp
+
+
+def read_events(resp: http.client.HTTPResponse, count: int | None = None) -> list[str]:
+    """The `data:` payloads of a Server-Sent Events stream: `count` of them, or up to [DONE]."""
+    events = []
+    while count is None or len(events) < count:
+        line = resp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            events.append(line[6:].decode().strip())
+            if events[-1] == "[DONE]":
+                break
+    return events

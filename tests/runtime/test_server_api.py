@@ -4,14 +4,20 @@ n > 1, stop, logprobs, seeds, usage, 64 concurrent streams against the offline A
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from server_fixtures import ServerProcess, metric, running_server, scrape, wait_for_metric
+from server_fixtures import (
+    ServerProcess,
+    metric,
+    open_stream,
+    read_events,
+    running_server,
+    scrape,
+    wait_for_metric,
+)
 
 from kvfleet import contract
 
@@ -258,20 +264,9 @@ def test_disconnect_mid_stream_frees_the_kv_cache(server, model):
         "stream": True,
         "temperature": 0,
     }
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request(
-        "POST",
-        "/v1/completions",
-        body=json.dumps(body),
-        headers={"Content-Type": "application/json"},
-    )
-    resp = conn.getresponse()
-    assert resp.status == 200
-    events = 0
-    while events < 3:  # a few tokens in: the request is running and holds KV blocks
-        line = resp.readline()
-        assert line, "the stream ended before the client hung up"
-        events += line.startswith(b"data: ")
+    conn, resp = open_stream(server.port, "/v1/completions", body, timeout=30)
+    # A few tokens in: the request is running and holds KV blocks.
+    assert len(read_events(resp, 3)) == 3, "the stream ended before the client hung up"
     assert metric(scrape(server), contract.KV_CACHE_USAGE_PERC) > 0
     assert metric(scrape(server), contract.NUM_REQUESTS_RUNNING) == 1
     conn.sock.close()  # hang up mid-stream

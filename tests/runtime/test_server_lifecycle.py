@@ -3,29 +3,15 @@ SIGTERM drains — /health 503, new requests 503, the in-flight request complete
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from server_fixtures import request, start_server
+from server_fixtures import open_stream, read_events, request, start_server
 
 from kvfleet import contract
-
-
-def _read_events(resp: http.client.HTTPResponse, count: int | None = None) -> list[str]:
-    events = []
-    while count is None or len(events) < count:
-        line = resp.readline()
-        if not line:
-            break
-        if line.startswith(b"data: "):
-            events.append(line[6:].decode().strip())
-            if events[-1] == "[DONE]":
-                break
-    return events
 
 
 def test_health_waits_for_the_model_and_sigterm_drains_in_flight_requests(
@@ -36,7 +22,6 @@ def test_health_waits_for_the_model_and_sigterm_drains_in_flight_requests(
         seen = server.wait_healthy()
         assert seen[0] == 503 and seen[-1] == 200  # the port opens before the model is ready
 
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         body = {
             "prompt": "A long story",
             "max_tokens": 200,
@@ -44,15 +29,8 @@ def test_health_waits_for_the_model_and_sigterm_drains_in_flight_requests(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        conn.request(
-            "POST",
-            "/v1/completions",
-            body=json.dumps(body),
-            headers={"Content-Type": "application/json"},
-        )
-        resp = conn.getresponse()
-        assert resp.status == 200
-        events = _read_events(resp, 3)
+        _conn, resp = open_stream(server.port, "/v1/completions", body)
+        events = read_events(resp, 3)
 
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -64,7 +42,7 @@ def test_health_waits_for_the_model_and_sigterm_drains_in_flight_requests(
         assert "shutting down" in refused.json()["error"]["message"]
         assert server.proc.poll() is None  # still serving the in-flight request
 
-        events += _read_events(resp)
+        events += read_events(resp)
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
         assert usage["completion_tokens"] == 200
