@@ -143,6 +143,11 @@ def ready_condition(k8s, name: str = "chat") -> dict | None:
     return find_condition(obj.get("status", {}).get("conditions"), AUTOSCALER_READY)
 
 
+def autoscaler_ready(k8s, field: str, name: str = "chat") -> str | None:
+    """One field of the AutoscalerReady condition; None until the first poll has written it."""
+    return (ready_condition(k8s, name) or {}).get(field)
+
+
 async def test_a_long_queue_scales_up_with_an_event_and_status(operator, fake_pods, polls):
     k8s = operator.emulator
     fake_pods.answers[IPS[0]] = metrics_text(waiting=12, kv=0.5)
@@ -170,7 +175,7 @@ async def test_a_long_queue_scales_up_with_an_event_and_status(operator, fake_po
     assert status["lastScaleTime"].endswith("Z")
     # Eventually, not at once: a reconcile racing with the poll may write its (older) copy of
     # the conditions list; the next poll puts AutoscalerReady back.
-    await eventually(lambda: ready_condition(k8s)["status"] == "True", timeout=3)
+    await eventually(lambda: autoscaler_ready(k8s, "status") == "True", timeout=3)
     assert metrics.DESIRED_REPLICAS.labels(namespace=NS, name="chat")._value.get() >= 2
     assert any(p.scaled and p.desired == 2 for p in polls)
     # The spec is the user's: the autoscaler changed only the Deployment and the status.
@@ -201,7 +206,7 @@ async def test_a_pod_that_cannot_be_read_blocks_scale_down(operator, fake_pods, 
     await eventually(lambda: replicas(k8s) == 1, timeout=5)
     (event,) = await eventually(lambda: events(k8s, "ScaledDown"), timeout=3)
     assert "scaling 2 → 1" in event["message"]
-    await eventually(lambda: ready_condition(k8s)["status"] == "True", timeout=3)
+    await eventually(lambda: autoscaler_ready(k8s, "status") == "True", timeout=3)
 
 
 async def test_a_pod_still_starting_blocks_scale_down_but_not_scale_up(operator, fake_pods):
@@ -227,7 +232,7 @@ async def test_replicas_above_max_come_back_at_once(operator, fake_pods):
     await eventually(lambda: replicas(k8s) == 3, timeout=5)
     (event,) = await eventually(lambda: events(k8s, "ScaledDown"))
     assert "above maxReplicas 3" in event["message"]
-    await eventually(lambda: ready_condition(k8s)["reason"] == "NoReadyPods", timeout=3)
+    await eventually(lambda: autoscaler_ready(k8s, "reason") == "NoReadyPods", timeout=3)
 
 
 async def test_with_autoscaling_off_the_autoscaler_does_nothing(operator, fake_pods, polls):
