@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_math.h"
+
 #define LANES 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
@@ -41,14 +43,6 @@ enum {
     ERR_SHAPE = 1, /* head_dim, block_size, head counts or dtype outside what this file handles */
     ERR_NOMEM = 2, /* per-thread scratch could not be allocated */
 };
-
-/* bf16 is the upper 16 bits of an IEEE float32: widening is a shift, exact. */
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* n bf16 values → float32 (n is a multiple of LANES; vectorises to widen + shift). */
 static void widen_bf16(float *restrict dst, const uint16_t *restrict src, int n) {
@@ -65,30 +59,6 @@ static inline float hsum(const float acc[LANES]) {
     for (int l = 0; l < LANES; l++) sum += acc[l];
     return sum;
 #endif
-}
-
-/* exp(x) for x <= 0 (scores minus their running max), within 2 ulp of expf. libm's expf is a
- * call per element, about a third of the kernel's time at head_dim 64; this is plain float and
- * integer arithmetic, so a loop over it vectorises. Cephes' method: x = n ln2 + r with
- * |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n built in the exponent bits. */
-static inline float exp_nonpositive(float x) {
-    const float underflow = -87.0f; /* below this expf is subnormal or 0: return 0 */
-    const float xc = x < underflow ? underflow : x;
-    /* Round x / ln2 to the nearest integer by adding and subtracting 1.5 * 2^23. */
-    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < underflow ? 0.0f : p * scale;
 }
 
 /* a · b over d floats, d a multiple of LANES. */

@@ -1,128 +1,26 @@
-"""The C paged decode-attention kernel for the CPU path (kernels/cpu_attention.c).
-
-Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
-`$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the source,
-the compiler's version and the flags, so a changed source, compiler or flag set builds afresh
-and an unchanged one loads the cached library. Where gcc is missing or the build fails,
-`available()` logs the compiler's message once and returns False, and callers keep the torch
-reference; `KVFLEET_CPU_KERNELS=0` turns the kernel off.
-
-torch ships its own libgomp.so.1; the dynamic loader resolves our library's libgomp.so.1 to
-that already-loaded copy, so the kernel's OpenMP threads are the same pool torch uses.
-"""
+"""The C paged decode-attention kernel for the CPU path (kernels/cpu_attention.c), built and
+loaded by kernels/cpu_library.py (where gcc is missing or `KVFLEET_CPU_KERNELS=0`, callers keep
+the torch reference)."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
-from kvfleet.kernels import reference
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+from kvfleet.kernels import cpu_library, reference
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C file's DTYPE_* codes
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE = 256, 16, 256
 _ERRORS = {1: "unsupported shape or dtype", 2: "out of memory for per-thread scratch"}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVFLEET_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "kvfleet"
-    return base / "kernels"
-
-
-def _compiler_version() -> str:
-    out = subprocess.run([*COMPILER, "--version"], capture_output=True, text=True, check=True)
-    return out.stdout
-
-
-def _build() -> Path:
-    """The compiled library's path, building it unless a cached one matches. Raises
-    OSError/subprocess.CalledProcessError with the compiler's output on failure."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + _compiler_version().encode() + " ".join(COMPILER + FLAGS).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name and rename: a concurrent process (another engine, a
-    # parallel test) sees either no library or a complete one, never a half-written file.
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [*COMPILER, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except subprocess.CalledProcessError as exc:
-        detail = (exc.stderr or exc.stdout or "").strip() or f"exit status {exc.returncode}"
-        log.warning("CPU attention kernel: build failed, using the torch reference: %s", detail)
-        return None
-    except OSError as exc:
-        log.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
-        return None
-    fn = lib.kvfleet_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.c_void_p,  # query
-        ctypes.c_void_p,  # out
-        ctypes.c_void_p,  # k_cache
-        ctypes.c_void_p,  # v_cache
-        ctypes.c_int,  # dtype
-        ctypes.c_void_p,  # block_tables
-        ctypes.c_int64,  # table_stride
-        ctypes.c_void_p,  # seq_lens
-        ctypes.c_int,  # num_seqs
-        ctypes.c_int,  # num_heads
-        ctypes.c_int,  # num_kv_heads
-        ctypes.c_int,  # head_dim
-        ctypes.c_int,  # block_size
-        ctypes.c_int64,  # num_blocks
-        ctypes.c_float,  # scale
-        ctypes.c_int,  # num_threads
-    ]
-    lib.kvfleet_cpu_attention_bf16_dot.restype = ctypes.c_int
-    lib.kvfleet_cpu_attention_bf16_dot.argtypes = []
-    return lib
-
-
 def uses_bf16_dot() -> bool:
     """Whether the built kernel computes bf16 caches with AVX512-BF16 dot products (gcc saw
     AVX512-BF16 under -march=native) rather than by widening K/V blocks to float32."""
-    return available() and bool(_library().kvfleet_cpu_attention_bf16_dot())
+    return available() and bool(cpu_library.library().kvfleet_cpu_attention_bf16_dot())
 
 
 def available() -> bool:
     """Whether the kernel can run here (compiles it on the first call)."""
-    if os.environ.get("KVFLEET_CPU_KERNELS", "1") == "0":
-        return False
-    return _library() is not None
+    return cpu_library.available()
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -170,7 +68,7 @@ def decode_attention(
     lens = seq_lens[:num_seqs].to(torch.int32).contiguous()
     # The storage behind the permuted view: [kv_heads, blocks, block, D], contiguous.
     k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-    status = _library().kvfleet_decode_attention(
+    status = cpu_library.library().kvfleet_decode_attention(
         q.data_ptr(),
         out.data_ptr(),
         k_store.data_ptr(),

@@ -1,4 +1,5 @@
-"""The one entry point the model calls for each op: Triton on CUDA, the torch reference on CPU.
+"""The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
+(cpu_attention, cpu_elementwise) where they take the inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvfleet.kernels import cpu_attention, reference
+from kvfleet.kernels import cpu_attention, cpu_elementwise, reference
 from kvfleet.kernels.metadata import AttentionMetadata
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -106,12 +107,13 @@ def paged_attention(
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """(norm(x + residual) * weight in x's dtype, x + residual in float32)."""
+    """(norm(x + residual) * weight in x's dtype, x + residual in float32). A float32
+    `residual` may be updated in place to become the second result: callers must not reuse it."""
     if use_triton(x):
         from kvfleet.kernels import triton_rms_norm
 
         return triton_rms_norm.rms_norm(x, weight, eps, residual)
-    return reference.rms_norm(x, weight, eps, residual)
+    return cpu_elementwise.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x):
@@ -129,4 +131,4 @@ def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):
         from kvfleet.kernels import triton_rotary
 
         return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
-    return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    return cpu_elementwise.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)

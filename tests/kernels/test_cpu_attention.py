@@ -14,7 +14,7 @@ from kernel_cases import (
     paged_case,
     ragged_lengths,
 )
-from kvfleet.kernels import cpu_attention, dispatch, reference
+from kvfleet.kernels import cpu_attention, cpu_library, dispatch, reference
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -53,7 +53,7 @@ def make_inputs(seed, batch, kv_heads, ratio, head_dim, block_size, dtype, max_l
 def _kernel_enabled(monkeypatch):
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
     yield
-    cpu_attention._library.cache_clear()  # a test may have built with a broken compiler
+    cpu_library.library.cache_clear()  # a test may have built with a broken compiler
 
 
 def test_kernel_builds_here():
@@ -156,9 +156,9 @@ def test_env_disables_kernel(monkeypatch):
 
 def test_broken_compiler_falls_back_with_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "COMPILER", ["false"])
-    cpu_attention._library.cache_clear()
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    monkeypatch.setattr(cpu_library, "COMPILER", ["false"])
+    cpu_library.library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_library.__name__):
         assert not cpu_attention.available()
         assert not cpu_attention.available()  # the failure is remembered, not retried
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -170,8 +170,8 @@ def test_broken_compiler_falls_back_with_warning(monkeypatch, tmp_path, caplog):
 def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     """A second build of the same source reuses the file; different flags get a new one."""
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
-    first = cpu_attention._build()
-    assert first.parent == tmp_path / "kernels" and first == cpu_attention._build()
-    monkeypatch.setattr(cpu_attention, "FLAGS", [*cpu_attention.FLAGS, "-DKVFLEET_TEST=1"])
-    assert cpu_attention._build() != first
+    first = cpu_library.build()
+    assert first.parent == tmp_path / "kernels" and first == cpu_library.build()
+    monkeypatch.setattr(cpu_library, "FLAGS", [*cpu_library.FLAGS, "-DKVFLEET_TEST=1"])
+    assert cpu_library.build() != first
     assert not list(tmp_path.rglob("*.tmp"))

@@ -1,0 +1,101 @@
+/* Elementwise ops around kvfleet's matmuls, fused for the CPU path in bfloat16: RMSNorm with
+ * its residual add, and neox rotary embedding.
+ *
+ * Why C: torch runs each as several passes over the tokens (widen to float32, add, normalise,
+ * scale, narrow; rotate halves, concatenate); on a 2048-token prefill step on two cores these two
+ * took a fifth of the step. Each function here makes one pass: a row is read once, computed in
+ * float32 and written once. (SiLU-and-mul stays in torch: a C version measured no faster, both
+ * being bound by memory at prefill sizes.)
+ *
+ * Semantics are those of the torch reference (kernels/reference.py), which is the specification;
+ * results differ from it only by float32 summation order and where bf16 rounding happens.
+ * Layouts: rows of `hidden` (or 2 * d) elements, last dimension contiguous, row strides given
+ * in elements. bf16 values travel as uint16 (the top half of a float32).
+ *
+ * Built with kernels/cpu_attention.c into one library by kernels/cpu_library.py.
+ */
+
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_math.h"
+
+#define LANES 16
+
+/* Below this many elements a call runs on the calling thread: waking the OpenMP team costs
+ * more than the work (a decode step's 32 rows of 576). */
+#define PARALLEL_MIN_ELEMS 65536
+
+enum { OK = 0, ERR_SHAPE = 1, ERR_POSITION = 2 };
+
+static inline int team(int64_t elems, int num_threads) {
+    return elems < PARALLEL_MIN_ELEMS || num_threads < 1 ? 1 : num_threads;
+}
+
+/* residual = x + residual (or x when has_residual is 0), in float32 and in place;
+ * out = bf16(residual / sqrt(mean(residual^2) + eps) * weight). hidden a multiple of LANES. */
+int kvfleet_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residual,
+                              int has_residual, const uint16_t *weight, uint16_t *out,
+                              int64_t rows, int hidden, float eps, int num_threads) {
+    if (hidden <= 0 || hidden % LANES != 0) return ERR_SHAPE;
+#pragma omp parallel for schedule(static) num_threads(team(rows * hidden, num_threads))
+    for (int64_t row = 0; row < rows; row++) {
+        const uint16_t *xr = x + row * x_stride;
+        float *r = residual + row * hidden;
+        uint16_t *o = out + row * hidden;
+        float squares[LANES] = {0};
+        for (int i = 0; i < hidden; i += LANES)
+            for (int l = 0; l < LANES; l++) {
+                const float v = bf16_to_f32(xr[i + l]) + (has_residual ? r[i + l] : 0.0f);
+                r[i + l] = v;
+                squares[l] += v * v;
+            }
+        float sum = 0.0f;
+        for (int l = 0; l < LANES; l++) sum += squares[l];
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (int i = 0; i < hidden; i++) o[i] = f32_to_bf16(r[i] * inv * bf16_to_f32(weight[i]));
+    }
+    return OK;
+}
+
+/* Rotate the first rot_dim elements of each head of one token in place (neox layout: pairs
+ * (i, i + rot_dim / 2)) by cos/sin already rounded to bf16, as the reference rounds them. */
+static inline void rotate_heads(uint16_t *x, int heads, int head_dim, int half,
+                                const float *cos, const float *sin) {
+    for (int h = 0; h < heads; h++) {
+        uint16_t *x1 = x + (int64_t)h * head_dim, *x2 = x1 + half;
+        for (int i = 0; i < half; i++) {
+            const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+            x1[i] = f32_to_bf16(a * cos[i] - b * sin[i]);
+            x2[i] = f32_to_bf16(b * cos[i] + a * sin[i]);
+        }
+    }
+}
+
+/* q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] (heads contiguous within a
+ * token, token strides given) rotated in place by cos_sin[positions[t]]: a float32 row of
+ * rot_dim / 2 cosines then rot_dim / 2 sines, one row per position below max_position. A
+ * position outside the table is an error before anything is written. */
+int kvfleet_rotary_neox_bf16(const int64_t *positions, int64_t tokens, uint16_t *q,
+                             int64_t q_stride, int q_heads, uint16_t *k, int64_t k_stride,
+                             int k_heads, int head_dim, int rot_dim, const float *cos_sin,
+                             int64_t cos_sin_stride, int64_t max_position, int num_threads) {
+    if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > head_dim || rot_dim > 1024)
+        return ERR_SHAPE;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return ERR_POSITION;
+    const int half = rot_dim / 2;
+    const int64_t elems = tokens * (q_heads + k_heads) * rot_dim;
+#pragma omp parallel for schedule(static) num_threads(team(elems, num_threads))
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = cos_sin + positions[t] * cos_sin_stride;
+        float cos[512], sin[512];
+        for (int i = 0; i < half; i++) {
+            cos[i] = bf16_to_f32(f32_to_bf16(row[i]));
+            sin[i] = bf16_to_f32(f32_to_bf16(row[half + i]));
+        }
+        rotate_heads(q + t * q_stride, q_heads, head_dim, half, cos, sin);
+        rotate_heads(k + t * k_stride, k_heads, head_dim, half, cos, sin);
+    }
+    return OK;
+}

@@ -1,0 +1,137 @@
+"""The fused CPU elementwise kernels (kernels/cpu_elementwise.c) behind the same signatures as
+their torch references: RMSNorm with residual add, and neox rotary embedding.
+
+They take bfloat16 activations only, the CPU default wherever the CPU has AVX-512 BF16: in
+float32 the reference stays, so float32 runs keep matching Hugging Face token for token. Inputs
+a kernel cannot take go to the reference; `supports_*` say which.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvfleet.kernels import cpu_library, reference
+
+_LANES = 16
+_MAX_ROTARY_DIM = 1024
+
+
+def _is_cpu_bf16(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"CPU {name} kernel: unsupported shape (status {status})")
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    hidden = x.shape[-1]
+    return (
+        x.dim() == 2
+        and _is_cpu_bf16(x, weight)
+        and x.stride(-1) == 1
+        and hidden % _LANES == 0
+        and weight.shape == (hidden,)
+        and weight.is_contiguous()
+        and (
+            residual is None
+            or (
+                residual.dtype == torch.float32
+                and residual.shape == x.shape
+                and residual.is_contiguous()
+                and residual.device.type == "cpu"
+            )
+        )
+        and cpu_library.available()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rms_norm` in one pass. Unlike the reference, a given `residual` is updated in
+    place (it becomes x + residual and is returned), as vLLM's fused_add_rms_norm does: a new
+    [tokens, hidden] float32 tensor per call costs page faults on every prefill step."""
+    if not supports_rms_norm(x, weight, residual):
+        return reference.rms_norm(x, weight, eps, residual)
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else torch.empty(rows, hidden, dtype=torch.float32)
+    status = cpu_library.library().kvfleet_add_rms_norm_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        res.data_ptr(),
+        int(residual is not None),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    _check(status, "rms_norm")
+    return out, res
+
+
+def _heads_packed(t: torch.Tensor) -> bool:
+    """[tokens, heads, D] with D contiguous and heads adjacent (a view of a fused qkv row)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def supports_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> bool:
+    rot = cos_sin_cache.shape[-1]
+    return (
+        is_neox
+        and _is_cpu_bf16(query, key)
+        and _heads_packed(query)
+        and _heads_packed(key)
+        and query.shape[0] == key.shape[0] == positions.numel()
+        and query.shape[2] == key.shape[2]
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.stride(1) == 1
+        and 0 < rot <= min(query.shape[2], _MAX_ROTARY_DIM)
+        and rot % 2 == 0
+        and cpu_library.available()
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rotary_embedding`, rotating q and k in place (neox layout; the GPT-J layout
+    goes to the reference)."""
+    if not supports_rotary(positions, query, key, cos_sin_cache, is_neox):
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    status = cpu_library.library().kvfleet_rotary_neox_bf16(
+        positions.data_ptr(),
+        positions.numel(),
+        query.data_ptr(),
+        query.stride(0),
+        query.shape[1],
+        key.data_ptr(),
+        key.stride(0),
+        key.shape[1],
+        query.shape[2],
+        cos_sin_cache.shape[-1],
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.stride(0),
+        cos_sin_cache.shape[0],
+        torch.get_num_threads(),
+    )
+    if status == 2:
+        raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")
+    _check(status, "rotary")
+    return query, key

@@ -1,0 +1,112 @@
+"""The C library behind the CPU path: kernels/cpu_attention.c and kernels/cpu_elementwise.c
+(with their shared header cpu_math.h), built into one shared object.
+
+Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
+`$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
+the compiler's version and the flags, so a changed source, compiler or flag set builds afresh
+and an unchanged one loads the cached library. Where gcc is missing or the build fails,
+`available()` logs the compiler's message once and returns False, and callers keep the torch
+reference; `KVFLEET_CPU_KERNELS=0` turns the C kernels off.
+
+torch ships its own libgomp.so.1; the dynamic loader resolves our library's libgomp.so.1 to
+that already-loaded copy, so the kernels' OpenMP threads are the same pool torch uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_attention.c", HERE / "cpu_elementwise.c"]
+HEADERS = [HERE / "cpu_math.h"]
+COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+_i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# The library's C ABI in one place: argument types of every exported function (all return int).
+SIGNATURES: dict[str, list[type]] = {
+    # query, out, k_cache, v_cache, dtype, block_tables, table_stride, seq_lens, num_seqs,
+    # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
+    "kvfleet_decode_attention": [_p, _p, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i],
+    "kvfleet_cpu_attention_bf16_dot": [],
+    # x, x_stride, residual, has_residual, weight, out, rows, hidden, eps, num_threads
+    "kvfleet_add_rms_norm_bf16": [_p, _i64, _p, _i, _p, _p, _i64, _i, _f, _i],
+    # positions, tokens, q, q_stride, q_heads, k, k_stride, k_heads, head_dim, rot_dim,
+    # cos_sin, cos_sin_stride, max_position, num_threads
+    "kvfleet_rotary_neox_bf16": [_p, _i64, _p, _i64, _i, _p, _i64, _i, _i, _i, _p, _i64, _i64, _i],
+}  # fmt: skip
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVFLEET_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "kvfleet"
+    return base / "kernels"
+
+
+def _compiler_version() -> str:
+    out = subprocess.run([*COMPILER, "--version"], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def build() -> Path:
+    """The compiled library's path, building it unless a cached one matches. Raises
+    OSError/subprocess.CalledProcessError with the compiler's output on failure."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    digest.update(_compiler_version().encode() + " ".join(COMPILER + FLAGS).encode())
+    target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: a concurrent process (another engine, a
+    # parallel test) sees either no library or a complete one, never a half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [*COMPILER, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library with its functions' signatures declared, or None if it cannot be
+    built here (logged once)."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or exc.stdout or "").strip() or f"exit status {exc.returncode}"
+        log.warning("CPU kernels: build failed, using the torch reference: %s", detail)
+        return None
+    except OSError as exc:
+        log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernels can run here (compiles them on the first call)."""
+    if os.environ.get("KVFLEET_CPU_KERNELS", "1") == "0":
+        return False
+    return library() is not None

@@ -1,0 +1,53 @@
+/* Scalar helpers for kvfleet's CPU kernels (cpu_attention.c, cpu_elementwise.c): bf16
+ * conversions and an exp that gcc vectorises. Plain float and integer arithmetic throughout, so
+ * loops over these compile to SIMD under -O3 -march=native without -ffast-math. */
+#ifndef KVFLEET_CPU_MATH_H
+#define KVFLEET_CPU_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* bf16 is the upper 16 bits of an IEEE float32: widening is a shift, exact. */
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 → bf16, rounding to nearest even as torch's .to(torch.bfloat16) does; NaN stays a
+ * (quiet) NaN instead of rounding into infinity. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((bits >> 16) | 0x40u)
+                                                : (uint16_t)rounded;
+}
+
+/* exp(x) for x <= 0 (attention scores minus their running max), within 2 ulp of expf. libm's
+ * expf is a call per element (a third of the attention kernel's time at head_dim 64); this is
+ * plain float and integer arithmetic, so a loop over it vectorises. Cephes' method:
+ * x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n built in the exponent
+ * bits. */
+static inline float exp_nonpositive(float x) {
+    const float underflow = -87.0f; /* below this expf is subnormal or 0: return 0 */
+    const float xc = x < underflow ? underflow : x;
+    /* Round x / ln2 to the nearest integer by adding and subtracting 1.5 * 2^23. */
+    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < underflow ? 0.0f : p * scale;
+}
+
+#endif
