@@ -270,17 +270,24 @@ class LLMEngine:
         if not batch:
             return []
         self.counters.steps += 1
-        rows, logits = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
+        for r, entries in result.prompt_logprobs:
+            r.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         touched: dict[str, None] = {}
-        if rows:
-            tokens, logprobs = self.sampler(logits, rows)
+        if result.sample_rows:
+            tokens, logprobs = self.sampler(result.logits, result.sample_rows)
             now = time.monotonic()
-            for r, tok, lp in zip(rows, tokens, logprobs, strict=True):
+            for r, tok, lp in zip(result.sample_rows, tokens, logprobs, strict=True):
                 self._append_token(r, tok, lp, now)
                 touched[r.group_id] = None
-        return [self._output(g) for g in touched]
+        # An output's prompt logprobs are complete or absent. Siblings queue behind the first
+        # one, so today none samples before the prompt is scored; should one, its group just
+        # reports later (outputs are cumulative).
+        return [
+            self._output(g) for g in touched if self._groups[g][0].prompt_logprob_position is None
+        ]
 
     def _append_token(self, r: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         r.all_token_ids.append(token)
@@ -343,6 +350,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=children[0].num_cached_tokens,
+            prompt_logprobs=children[0].prompt_logprobs,
         )
         if finished:
             self._forget(group_id)

@@ -81,6 +81,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
+        owed = request.prompt_logprob_position
+        if owed is not None:
+            # Logits exist only for computed positions: a hit past the first position that
+            # still owes a prompt logprob would skip it (after a preemption the positions
+            # already collected may hit).
+            max_hit_tokens = min(max_hit_tokens, owed)
         self._extend_hashes(request, max_hit_tokens)
         blocks: list[int] = []
         for h in request.block_hashes[: max_hit_tokens // self.block_size]:

@@ -155,7 +155,10 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
+    body: dict[str, Any],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     n = _get(body, "n", int, 1)
     if n > MAX_N:
@@ -178,6 +181,7 @@ def _sampling_params(
             stop_token_ids=_int_list(body, "stop_token_ids"),
             ignore_eos=_get(body, "ignore_eos", bool, False),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         )
     except SamplingParamsError as exc:
@@ -199,16 +203,12 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     stream = _get(body, "stream", bool, False)
     echo = _get(body, "echo", bool, False)
     logprobs = _get(body, "logprobs", int)
-    if echo and logprobs is not None:
-        raise APIError(
-            400,
-            "echo: cannot be combined with logprobs (prompt log-probabilities are not computed)",
-            param="echo",
-        )
+    # Echo with logprobs scores the prompt too, with as many alternatives per token.
+    prompt_logprobs = logprobs if echo else None
     return CompletionRequest(
         model=_model(body),
         prompts=prompts,
-        params=_sampling_params(body, _get(body, "max_tokens", int, 16), logprobs),
+        params=_sampling_params(body, _get(body, "max_tokens", int, 16), logprobs, prompt_logprobs),
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,
@@ -335,16 +335,23 @@ def _lp(x: float) -> float:
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], token_text: TokenText, text_offset: int
+    entries: list[TokenLogprob],
+    token_text: TokenText,
+    text_offset: int,
+    prompt: list[tuple[int, TokenLogprob | None]] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions logprobs object for the given tokens."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """The legacy completions logprobs object for the given tokens, after the echoed `prompt`'s
+    (token id, logprob) pairs when given: its first token has no logprob, so nulls there."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
-    for e in entries:
-        t = token_text(e.token_id)
+    for token_id, e in [*(prompt or []), *((e.token_id, e) for e in entries)]:
+        t = token_text(token_id)
         tokens.append(t)
-        token_logprobs.append(_lp(e.logprob))
-        top.append({token_text(i): _lp(lp) for i, lp in e.top})
+        token_logprobs.append(_lp(e.logprob) if e is not None else None)
+        top.append({token_text(i): _lp(lp) for i, lp in e.top} if e is not None else None)
         offsets.append(offset)
         offset += len(t)
     return {

@@ -46,6 +46,9 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] | None = None
+    # One entry per prompt token computed so far (the first is None: nothing precedes it).
+    # Only the group's first sibling collects them: the siblings share the prompt.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Filled by the detokenizer: text of the output so far, and how much of it is safe to show
     # (a possible stop string at the end is held back while it could still match).
     output_text: str = ""
@@ -61,10 +64,21 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprob_position(self) -> int | None:
+        """The first position whose logits still owe a prompt logprob (for the token after
+        it), or None when nothing is owed."""
+        owed = self.prompt_logprobs
+        if owed is None or len(owed) == len(self.prompt_token_ids):
+            return None
+        return len(owed) - 1
 
     @property
     def num_tokens(self) -> int:
@@ -109,3 +123,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Complete once present (outputs wait for it) and shared by every completion; not a copy,
+    # so treat it as read-only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

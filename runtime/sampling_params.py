@@ -35,6 +35,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per sampled token (0 = only the sampled one)
+    # Log-probability of every prompt token after the first, with top-N alternatives.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -85,6 +87,12 @@ class SamplingParams:
                 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        if self.prompt_logprobs is not None:
+            check(
+                0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")

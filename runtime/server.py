@@ -26,7 +26,7 @@ from kvfleet import __version__, contract
 
 if TYPE_CHECKING:
     from kvfleet.runtime.async_engine import AsyncEngine
-    from kvfleet.runtime.request import RequestOutput
+    from kvfleet.runtime.request import RequestOutput, TokenLogprob
     from kvfleet.runtime.runtime_metrics import RuntimeMetrics
     from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -319,7 +319,9 @@ class OpenAIServer:
                         "index": i * n + c.index,
                         "text": prefix + c.text,
                         "logprobs": (
-                            proto.completion_logprobs(c.logprobs, self._token_text, 0)
+                            proto.completion_logprobs(
+                                c.logprobs, self._token_text, 0, _scored_prompt(final[i])
+                            )
                             if c.logprobs is not None
                             else None
                         ),
@@ -382,13 +384,24 @@ class OpenAIServer:
         )
         await sse.open()
         cursors = {(i, k): proto.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
-        if echo:
+        # A scored echo waits for the prompt's logprobs, which come with the first output.
+        scored_echo = echo is not None and req.params.prompt_logprobs is not None
+        if echo and not scored_echo:
             for i, text in enumerate(echo):
                 for k in range(n):
                     await sse.send([_text_choice(i * n + k, text, None, None)])
+        echo_pending = set(range(len(prompts))) if scored_echo else set()
         completion_tokens = 0
         try:
             async for i, out in self._outputs(prompts, req.params):
+                if i in echo_pending:
+                    assert echo is not None
+                    echo_pending.discard(i)
+                    lp = proto.completion_logprobs([], self._token_text, 0, _scored_prompt(out))
+                    end = sum(len(t) for t in lp["tokens"])
+                    for k in range(n):
+                        cursors[(i, k)].text_offset = end
+                        await sse.send([_text_choice(i * n + k, echo[i], lp, None)])
                 chunk = []
                 for c in out.outputs:
                     cursor = cursors[(i, c.index)]
@@ -521,6 +534,13 @@ class _SSE:
         await self._write(json.dumps(exc.body()))
         await self._write("[DONE]")
         await self.response.write_eof()
+
+
+def _scored_prompt(out: RequestOutput) -> list[tuple[int, TokenLogprob | None]] | None:
+    """The prompt's (token id, logprob) pairs, when the request asked for them."""
+    if out.prompt_logprobs is None:
+        return None
+    return list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
 
 
 def _text_choice(
