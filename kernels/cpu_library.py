@@ -1,4 +1,4 @@
-"""The C library behind the CPU path: kernels/cpu_attention.c and kernels/cpu_elementwise.c
+"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_cache.c and cpu_elementwise.c
 (with their shared header cpu_math.h), built into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_attention.c", HERE / "cpu_elementwise.c"]
+SOURCES = [HERE / "cpu_attention.c", HERE / "cpu_cache.c", HERE / "cpu_elementwise.c"]
 HEADERS = [HERE / "cpu_math.h"]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -38,6 +38,9 @@ SIGNATURES: dict[str, list[type]] = {
     # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
     "kvfleet_decode_attention": [_p, _p, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i],
     "kvfleet_cpu_attention_bf16_dot": [],
+    # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
+    # head_dim, block_size, num_blocks, elem_size
+    "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],
     # x, x_stride, residual, has_residual, weight, out, rows, hidden, eps, num_threads
     "kvfleet_add_rms_norm_bf16": [_p, _i64, _p, _i, _p, _p, _i64, _i, _f, _i],
     # positions, tokens, q, q_stride, q_heads, k, k_stride, k_heads, head_dim, rot_dim,

@@ -1,5 +1,5 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
-(cpu_attention, cpu_elementwise) where they take the inputs, else the torch reference.
+(cpu_attention, cpu_cache, cpu_elementwise) where they take the inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvfleet.kernels import cpu_attention, cpu_elementwise, reference
+from kvfleet.kernels import cpu_attention, cpu_cache, cpu_elementwise, reference
 from kvfleet.kernels.metadata import AttentionMetadata
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -82,7 +82,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
         triton_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         return
-    reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    cpu_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
