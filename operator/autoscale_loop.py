@@ -34,14 +34,7 @@ import aiohttp
 import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
-from kvfleet.operator.autoscaler import (
-    AutoscalingSpec,
-    Decision,
-    History,
-    InvalidAutoscalingSpec,
-    PodSample,
-    decide_replicas,
-)
+from kvfleet.operator.autoscaler import Decision, History, PodSample, decide_replicas
 from kvfleet.operator.kube_api import DEPLOYMENTS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
     MetricsUnavailable,
@@ -49,6 +42,7 @@ from kvfleet.operator.metrics_source import (
     query_prometheus,
     scrape_pods,
 )
+from kvfleet.operator.spec import AutoscalingSpec, SpecError, parse_autoscaling
 
 from kvfleet import contract
 
@@ -289,7 +283,7 @@ async def read_samples(
     """
     timeout = scrape_timeout(spec.poll_interval_seconds)
     if spec.metrics_source == "prometheus":
-        assert spec.prometheus_url is not None  # AutoscalingSpec.from_spec guarantees it
+        assert spec.prometheus_url is not None  # AutoscalingSpec.check guarantees it
         return await query_prometheus(
             spec.prometheus_url, namespace, name, session, timeout, pods=targets
         )
@@ -308,9 +302,10 @@ async def poll_once(
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     try:
-        spec = AutoscalingSpec.from_spec((isvc.get("spec") or {}).get("autoscaling"))
-    except InvalidAutoscalingSpec as exc:
-        # The reconciler reports the spec problem as Degraded too; here: why nothing scales.
+        spec = parse_autoscaling((isvc.get("spec") or {}).get("autoscaling")).check()
+    except SpecError as exc:
+        # The reconciler reports some of these as Degraded too (spec_check); here: why nothing
+        # scales.
         ready = c.Condition(AUTOSCALER_READY, c.FALSE, "InvalidSpec", str(exc))
         await asyncio.to_thread(write_status, api, namespace, name, None, ready)
         return None
@@ -389,8 +384,8 @@ async def poll_once(
 
 def _poll_interval(spec: Mapping[str, Any]) -> float:
     try:
-        return AutoscalingSpec.from_spec(spec.get("autoscaling")).poll_interval_seconds
-    except InvalidAutoscalingSpec:
+        return parse_autoscaling(spec.get("autoscaling")).check().poll_interval_seconds
+    except SpecError:
         return AutoscalingSpec().poll_interval_seconds
 
 

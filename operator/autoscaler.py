@@ -32,130 +32,17 @@ restarted operator never scales down before it has watched a full scale-down win
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from kvfleet.operator.spec import AutoscalingSpec
 
 # HPA's default tolerance: a signal within ±10% of its target causes no change.
 TOLERANCE = 0.1
 # Replica arithmetic happens on floats (e.g. 3 × 0.7 / 0.7); without this, 2.0000000000000004
 # would ceil to 3.
 _FLOAT_SLACK = 1e-9
-
-MetricsSource = Literal["scrape", "prometheus"]
-METRICS_SOURCES: tuple[str, ...] = ("scrape", "prometheus")
-
-
-class InvalidAutoscalingSpec(ValueError):
-    """A `spec.autoscaling` value the autoscaler cannot work with; `field` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"spec.autoscaling.{field}: {message}")
-        self.field = field
-
-
-@dataclass(slots=True, frozen=True)
-class AutoscalingSpec:
-    """`spec.autoscaling` of an InferenceService, with the CRD's defaults, validated."""
-
-    enabled: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_depth: float = 4
-    target_kv_cache_usage: float = 0.8
-    scale_up_stabilization_seconds: float = 0
-    scale_down_stabilization_seconds: float = 300
-    poll_interval_seconds: float = 15
-    metrics_source: MetricsSource = "scrape"
-    prometheus_url: str | None = None
-
-    @classmethod
-    def from_spec(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
-        """Build from the CR's `spec.autoscaling` dict (camelCase keys; absent keys default).
-
-        Raises InvalidAutoscalingSpec naming the field and the limit it broke.
-        """
-        # null means "not set" (a YAML key with no value), like an absent key. Unknown keys are
-        # left to the CRD schema: the API server prunes them before the operator sees them.
-        raw = {k: v for k, v in (autoscaling or {}).items() if v is not None}
-        defaults = cls()
-        enabled = raw.get("enabled", defaults.enabled)
-        if not isinstance(enabled, bool):
-            raise InvalidAutoscalingSpec("enabled", f"must be true or false, got {enabled!r}")
-        min_replicas = _integer(raw, "minReplicas", defaults.min_replicas, minimum=1)
-        max_replicas = _integer(raw, "maxReplicas", defaults.max_replicas, minimum=1)
-        if max_replicas < min_replicas:
-            raise InvalidAutoscalingSpec(
-                "maxReplicas", f"must be >= minReplicas ({min_replicas}), got {max_replicas}"
-            )
-        target_queue_depth = _number(raw, "targetQueueDepth", defaults.target_queue_depth)
-        if target_queue_depth <= 0:
-            raise InvalidAutoscalingSpec(
-                "targetQueueDepth", f"must be > 0 waiting requests, got {target_queue_depth}"
-            )
-        target_kv = _number(raw, "targetKVCacheUsage", defaults.target_kv_cache_usage)
-        if not 0 < target_kv <= 1:
-            raise InvalidAutoscalingSpec(
-                "targetKVCacheUsage", f"must be > 0 and <= 1 (a fraction), got {target_kv}"
-            )
-        up = _number(raw, "scaleUpStabilizationSeconds", defaults.scale_up_stabilization_seconds)
-        down = _number(
-            raw, "scaleDownStabilizationSeconds", defaults.scale_down_stabilization_seconds
-        )
-        for field, value in (
-            ("scaleUpStabilizationSeconds", up),
-            ("scaleDownStabilizationSeconds", down),
-        ):
-            if value < 0:
-                raise InvalidAutoscalingSpec(field, f"must be >= 0 seconds, got {value}")
-        poll = _number(raw, "pollIntervalSeconds", defaults.poll_interval_seconds)
-        if poll < 1:
-            raise InvalidAutoscalingSpec("pollIntervalSeconds", f"must be >= 1 second, got {poll}")
-        source = raw.get("metricsSource", defaults.metrics_source)
-        if source not in METRICS_SOURCES:
-            raise InvalidAutoscalingSpec(
-                "metricsSource", f"must be one of {', '.join(METRICS_SOURCES)}, got {source!r}"
-            )
-        url = raw.get("prometheusURL") or None  # the CRD may default it to ""
-        if url is not None and (
-            not isinstance(url, str) or not url.startswith(("http://", "https://"))
-        ):
-            raise InvalidAutoscalingSpec(
-                "prometheusURL", f"must be an http:// or https:// URL, got {url!r}"
-            )
-        if source == "prometheus" and url is None:
-            raise InvalidAutoscalingSpec(
-                "prometheusURL", "is required when metricsSource is prometheus"
-            )
-        return cls(
-            enabled=enabled,
-            min_replicas=min_replicas,
-            max_replicas=max_replicas,
-            target_queue_depth=target_queue_depth,
-            target_kv_cache_usage=target_kv,
-            scale_up_stabilization_seconds=up,
-            scale_down_stabilization_seconds=down,
-            poll_interval_seconds=poll,
-            metrics_source=source,
-            prometheus_url=url,
-        )
-
-
-def _integer(raw: Mapping[str, Any], field: str, default: int, *, minimum: int) -> int:
-    value = raw.get(field, default)
-    # bool is an int in Python; `minReplicas: true` is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidAutoscalingSpec(field, f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise InvalidAutoscalingSpec(field, f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _number(raw: Mapping[str, Any], field: str, default: float) -> float:
-    value = raw.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidAutoscalingSpec(field, f"must be a number, got {value!r}")
-    return value
 
 
 @dataclass(slots=True, frozen=True)

@@ -7,11 +7,13 @@ and a test checks that these defaults equal the CRD's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_IMAGE = "ghcr.io/kvfleet/runtime:0.1.0"
+METRICS_SOURCES: tuple[str, ...] = ("scrape", "prometheus")
 
 
 class SpecError(ValueError):
@@ -70,7 +72,10 @@ class ResourcesSpec:
 
 @dataclass(slots=True, frozen=True)
 class AutoscalingSpec:
-    """Load-based autoscaling on queue depth and KV-cache usage (the autoscaler reads it)."""
+    """`spec.autoscaling`: load-based autoscaling on queue depth and KV-cache usage.
+
+    `parse_autoscaling` checks the types; `check` the limits the autoscaler needs.
+    """
 
     enabled: bool = False
     min_replicas: int = 1
@@ -80,8 +85,67 @@ class AutoscalingSpec:
     scale_up_stabilization_seconds: int = 0
     scale_down_stabilization_seconds: int = 300
     poll_interval_seconds: int = 15
-    metrics_source: str = "scrape"
-    prometheus_url: str = ""
+    metrics_source: str = "scrape"  # one of METRICS_SOURCES once checked
+    prometheus_url: str | None = None
+
+    def check(self) -> AutoscalingSpec:
+        """This spec if the autoscaler can work with it; else SpecError naming the field and limit.
+
+        The CRD schema states these limits too; this holds them on servers without it. Kept out
+        of parsing: a spec that breaks them still serves at fixed replicas (the autoscaler says
+        why it does not scale; the reconciler is Degraded only for what spec_check lists).
+        """
+        p = "spec.autoscaling"
+        for name, replicas in (
+            ("minReplicas", self.min_replicas),
+            ("maxReplicas", self.max_replicas),
+        ):
+            if replicas < 1:
+                raise SpecError(f"{p}.{name}", f"must be >= 1, got {replicas}")
+        if self.max_replicas < self.min_replicas:
+            raise SpecError(
+                f"{p}.maxReplicas",
+                f"must be >= minReplicas ({self.min_replicas}), got {self.max_replicas}",
+            )
+        for name, target in (
+            ("targetQueueDepth", self.target_queue_depth),
+            ("targetKVCacheUsage", self.target_kv_cache_usage),
+        ):
+            if not math.isfinite(target):
+                raise SpecError(f"{p}.{name}", f"must be a number, got {target!r}")
+        if self.target_queue_depth <= 0:
+            raise SpecError(
+                f"{p}.targetQueueDepth",
+                f"must be > 0 waiting requests, got {self.target_queue_depth}",
+            )
+        if not 0 < self.target_kv_cache_usage <= 1:
+            raise SpecError(
+                f"{p}.targetKVCacheUsage",
+                f"must be > 0 and <= 1 (a fraction), got {self.target_kv_cache_usage}",
+            )
+        for name, seconds in (
+            ("scaleUpStabilizationSeconds", self.scale_up_stabilization_seconds),
+            ("scaleDownStabilizationSeconds", self.scale_down_stabilization_seconds),
+        ):
+            if seconds < 0:
+                raise SpecError(f"{p}.{name}", f"must be >= 0 seconds, got {seconds}")
+        if self.poll_interval_seconds < 1:
+            raise SpecError(
+                f"{p}.pollIntervalSeconds", f"must be >= 1 second, got {self.poll_interval_seconds}"
+            )
+        if self.metrics_source not in METRICS_SOURCES:
+            raise SpecError(
+                f"{p}.metricsSource",
+                f"must be one of {', '.join(METRICS_SOURCES)}, got {self.metrics_source!r}",
+            )
+        url = self.prometheus_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise SpecError(
+                f"{p}.prometheusURL", f"must be an http:// or https:// URL, got {url!r}"
+            )
+        if self.metrics_source == "prometheus" and url is None:
+            raise SpecError(f"{p}.prometheusURL", "is required when metricsSource is prometheus")
+        return self
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,6 +219,33 @@ def _secret_ref(
     return SecretKeyRef(name=name, key=_get(section, "key", str, default_key, f"{path}.{key}"))
 
 
+def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
+    """Parse a raw `spec.autoscaling` dict (absent or null keys default); raises SpecError on a
+    wrong type. The autoscaler then calls `check()` for the limits."""
+    raw = raw or {}
+    p = "spec.autoscaling"
+    d = AutoscalingSpec()
+    return AutoscalingSpec(
+        enabled=_get(raw, "enabled", bool, d.enabled, p),
+        min_replicas=_get(raw, "minReplicas", int, d.min_replicas, p),
+        max_replicas=_get(raw, "maxReplicas", int, d.max_replicas, p),
+        target_queue_depth=_get(raw, "targetQueueDepth", (int, float), d.target_queue_depth, p),
+        target_kv_cache_usage=_get(
+            raw, "targetKVCacheUsage", (int, float), d.target_kv_cache_usage, p
+        ),
+        scale_up_stabilization_seconds=_get(
+            raw, "scaleUpStabilizationSeconds", int, d.scale_up_stabilization_seconds, p
+        ),
+        scale_down_stabilization_seconds=_get(
+            raw, "scaleDownStabilizationSeconds", int, d.scale_down_stabilization_seconds, p
+        ),
+        poll_interval_seconds=_get(raw, "pollIntervalSeconds", int, d.poll_interval_seconds, p),
+        metrics_source=_get(raw, "metricsSource", str, d.metrics_source, p),
+        # The CRD may default it to "": unset, like an absent key.
+        prometheus_url=_get(raw, "prometheusURL", str, "", p) or None,
+    )
+
+
 def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     """Parse a raw `spec` dict, filling the CRD's defaults; raises SpecError naming the field."""
     p = "spec"
@@ -203,30 +294,7 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
         memory=_quantity(res, "memory", rd.memory, f"{p}.resources"),
     )
 
-    auto = _section(raw, "autoscaling", p)
-    ap = f"{p}.autoscaling"
-    ad = AutoscalingSpec()
-    autoscaling = AutoscalingSpec(
-        enabled=_get(auto, "enabled", bool, ad.enabled, ap),
-        min_replicas=_get(auto, "minReplicas", int, ad.min_replicas, ap),
-        max_replicas=_get(auto, "maxReplicas", int, ad.max_replicas, ap),
-        target_queue_depth=float(
-            _get(auto, "targetQueueDepth", (int, float), ad.target_queue_depth, ap)
-        ),
-        target_kv_cache_usage=float(
-            _get(auto, "targetKVCacheUsage", (int, float), ad.target_kv_cache_usage, ap)
-        ),
-        scale_up_stabilization_seconds=_get(
-            auto, "scaleUpStabilizationSeconds", int, ad.scale_up_stabilization_seconds, ap
-        ),
-        scale_down_stabilization_seconds=_get(
-            auto, "scaleDownStabilizationSeconds", int, ad.scale_down_stabilization_seconds, ap
-        ),
-        poll_interval_seconds=_get(auto, "pollIntervalSeconds", int, ad.poll_interval_seconds, ap),
-        metrics_source=_get(auto, "metricsSource", str, ad.metrics_source, ap),
-        prometheus_url=_get(auto, "prometheusURL", str, ad.prometheus_url, ap),
-    )
-
+    autoscaling = parse_autoscaling(_section(raw, "autoscaling", p))
     tolerations = _get(raw, "tolerations", list, [], p)
     env = _get(raw, "env", list, [], p)
     for name, items in (("tolerations", tolerations), ("env", env)):

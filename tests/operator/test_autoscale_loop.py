@@ -235,6 +235,18 @@ async def test_replicas_above_max_come_back_at_once(operator, fake_pods):
     await eventually(lambda: autoscaler_ready(k8s, "reason") == "NoReadyPods", timeout=3)
 
 
+async def test_a_spec_the_autoscaler_cannot_use_is_reported_and_not_acted_on(operator, polls):
+    k8s = operator.emulator
+    k8s.create_object(ISVC, autoscaled(pollIntervalSeconds=0))
+    await eventually(lambda: replicas(k8s) == 1)  # the reconciler still serves it
+    cond = await eventually(
+        lambda: (r := ready_condition(k8s)) and r["reason"] == "InvalidSpec" and r, timeout=5
+    )
+    assert cond["status"] == "False"
+    assert cond["message"] == "spec.autoscaling.pollIntervalSeconds: must be >= 1 second, got 0"
+    assert not polls and "autoscaling" not in k8s.get(ISVC, NS, "chat")["status"]
+
+
 async def test_with_autoscaling_off_the_autoscaler_does_nothing(operator, fake_pods, polls):
     k8s = operator.emulator
     obj = isvc_with("chat", replicas=1)

@@ -11,16 +11,16 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvfleet.operator.autoscaler import (
-    AutoscalingSpec,
-    Decision,
-    InvalidAutoscalingSpec,
-    PodSample,
-    Recommendation,
-    decide_replicas,
-)
+from kvfleet.operator.autoscaler import Decision, PodSample, Recommendation, decide_replicas
+from kvfleet.operator.spec import AutoscalingSpec, SpecError, parse_autoscaling
 
-SPEC = AutoscalingSpec.from_spec({"enabled": True})  # the CRD defaults: 1..4, queue 4, KV 80%
+
+def autoscaling(raw: dict | None) -> AutoscalingSpec:
+    """`spec.autoscaling` as the autoscaler reads it: parsed, then checked."""
+    return parse_autoscaling(raw).check()
+
+
+SPEC = autoscaling({"enabled": True})  # the CRD defaults: 1..4, queue 4, KV 80%
 
 
 def pod(name: str, waiting: float = 0, kv: float = 0.0, *, ready=True, scraped=True) -> PodSample:
@@ -50,7 +50,7 @@ def run_polls(
 
 
 def test_spec_defaults_match_the_crd():
-    spec = AutoscalingSpec.from_spec(None)
+    spec = autoscaling(None)
     assert (spec.enabled, spec.min_replicas, spec.max_replicas) == (False, 1, 4)
     assert (spec.target_queue_depth, spec.target_kv_cache_usage) == (4, 0.8)
     assert spec.scale_up_stabilization_seconds == 0
@@ -66,12 +66,12 @@ def test_spec_defaults_are_the_crd_schema_defaults():
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     fields = schema["properties"]["spec"]["properties"]["autoscaling"]["properties"]
     from_crd = {k: v["default"] for k, v in fields.items() if "default" in v}
-    assert AutoscalingSpec.from_spec(from_crd) == AutoscalingSpec.from_spec({})
+    assert autoscaling(from_crd) == autoscaling({})
     assert set(from_crd) >= {"minReplicas", "maxReplicas", "scaleDownStabilizationSeconds"}
 
 
 def test_spec_reads_camel_case_fields():
-    spec = AutoscalingSpec.from_spec(
+    spec = autoscaling(
         {
             "enabled": True,
             "minReplicas": 2,
@@ -94,7 +94,7 @@ def test_spec_reads_camel_case_fields():
 
 
 @pytest.mark.parametrize(
-    ("autoscaling", "field", "limit"),
+    ("raw", "field", "limit"),
     [
         ({"minReplicas": 0}, "minReplicas", ">= 1"),
         ({"minReplicas": 3, "maxReplicas": 2}, "maxReplicas", ">= minReplicas (3)"),
@@ -109,19 +109,21 @@ def test_spec_reads_camel_case_fields():
         ({"metricsSource": "datadog"}, "metricsSource", "scrape, prometheus"),
         ({"metricsSource": "prometheus"}, "prometheusURL", "required"),
         ({"prometheusURL": "prometheus:9090"}, "prometheusURL", "http://"),
-        ({"enabled": "yes"}, "enabled", "true or false"),
+        ({"enabled": "yes"}, "enabled", "a boolean"),
+        ({"pollIntervalSeconds": 2.5}, "pollIntervalSeconds", "an integer"),
+        ({"targetQueueDepth": math.nan}, "targetQueueDepth", "a number"),
     ],
 )
-def test_spec_errors_name_the_field_and_the_limit(autoscaling, field, limit):
-    with pytest.raises(InvalidAutoscalingSpec) as error:
-        AutoscalingSpec.from_spec(autoscaling)
-    assert error.value.field == field
+def test_spec_errors_name_the_field_and_the_limit(raw, field, limit):
+    with pytest.raises(SpecError) as error:
+        autoscaling(raw)
+    assert error.value.field == f"spec.autoscaling.{field}"
     assert f"spec.autoscaling.{field}" in str(error.value)
     assert limit in str(error.value)
 
 
 def test_spec_null_and_empty_url_mean_unset():
-    spec = AutoscalingSpec.from_spec({"minReplicas": None, "prometheusURL": ""})
+    spec = autoscaling({"minReplicas": None, "prometheusURL": ""})
     assert spec.min_replicas == 1 and spec.prometheus_url is None
 
 
@@ -142,7 +144,7 @@ def test_kv_cache_above_target_scales_up():
 
 
 def test_scale_up_at_most_doubles_per_poll():
-    spec = AutoscalingSpec.from_spec({"maxReplicas": 16})
+    spec = autoscaling({"maxReplicas": 16})
     decision = decide_replicas([pod("a", 40)], 1, spec, (), now=0)
     assert decision.recommendation == 10
     assert decision.desired == 2
@@ -239,7 +241,7 @@ def test_no_metrics_at_all_holds():
 
 
 def test_zero_replicas_comes_back_to_min_replicas():
-    spec = AutoscalingSpec.from_spec({"minReplicas": 2})
+    spec = autoscaling({"minReplicas": 2})
     decision = decide_replicas([], 0, spec, (), now=0)
     assert decision.desired == 2
     assert "below minReplicas 2" in decision.reason
@@ -252,7 +254,7 @@ def test_replicas_above_a_lowered_max_come_down_at_once():
 
 
 def test_scale_up_stabilization_waits_for_a_sustained_recommendation():
-    spec = AutoscalingSpec.from_spec({"scaleUpStabilizationSeconds": 30, "maxReplicas": 8})
+    spec = autoscaling({"scaleUpStabilizationSeconds": 30, "maxReplicas": 8})
     decisions = run_polls(lambda n: pods(n, waiting=12, kv=0.5), spec, 1, 4, interval=15)
     # t=0: just started; t=15: the start (1) still in the window; t=30: 1 has left the window.
     assert [d.desired for d in decisions[:3]] == [1, 1, 2]

@@ -71,3 +71,21 @@ def test_spec_checks_name_field_and_limit():
     _, problems = check_spec({"model": {"uri": "file:///m", "hfTokenSecretRef": {"name": "t"}}})
     assert "hfTokenSecretRef" in problems[0].message
     assert check_spec({"model": {"uri": "hf://org/name@rev"}})[1] == []
+
+
+def test_autoscaling_problems_that_leave_the_service_servable_are_not_degraded():
+    model = {"uri": "bundled"}
+    # min > max and prometheus without a URL cannot be served as asked: Degraded.
+    _, problems = check_spec({"model": model, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}})
+    assert [p.reason for p in problems] == ["InvalidSpec"]
+    assert "spec.autoscaling.minReplicas (3)" in problems[0].message
+    _, problems = check_spec(
+        {"model": model, "autoscaling": {"enabled": True, "metricsSource": "prometheus"}}
+    )
+    assert "spec.autoscaling.prometheusURL is empty" in problems[0].message
+    # A limit only the autoscaler needs: the pods still run; AutoscalerReady says why.
+    spec, problems = check_spec({"model": model, "autoscaling": {"targetKVCacheUsage": 1.5}})
+    assert problems == [] and spec is not None
+    # A wrong type is a bad spec for everyone.
+    _, problems = check_spec({"model": model, "autoscaling": {"maxReplicas": "4"}})
+    assert "spec.autoscaling.maxReplicas: must be an integer" in problems[0].message
