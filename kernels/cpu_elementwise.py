@@ -55,7 +55,7 @@ def rms_norm(
     if not supports_rms_norm(x, weight, residual):
         return reference.rms_norm(x, weight, eps, residual)
     rows, hidden = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(rows, hidden, dtype=x.dtype)  # contiguous, as the kernel writes it
     res = residual if residual is not None else torch.empty(rows, hidden, dtype=torch.float32)
     status = cpu_library.library().kvfleet_add_rms_norm_bf16(
         x.data_ptr(),
