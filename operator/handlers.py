@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.apply import apply_child
 from kvfleet.operator.kube_api import DEPLOYMENTS, PODS, SERVICES, KubeApi, KubeApiError
@@ -110,14 +111,49 @@ def refresh_from_child(config: OperatorConfig, namespace: str, name: str) -> Non
             # Deleted while we worked: anything just created is collected with it.
 
 
+# Status writes refused with 409 (someone wrote in between) are re-read and retried this often.
+STATUS_WRITE_ATTEMPTS = 3
+
+
 def write_status(config: OperatorConfig, isvc: Mapping[str, Any], status: dict[str, Any]) -> None:
-    """Patch status only when it differs, so status writes cannot feed a watch loop."""
+    """Patch status only when it differs, so status writes cannot feed a watch loop.
+
+    Preconditioned on the resourceVersion read: a merge patch replaces `conditions` whole, and
+    the autoscaler writes its AutoscalerReady condition into the same list, so a write based
+    on an older read would erase it. On a conflict the object is read again and its conditions
+    of other types are kept under ours."""
     meta = isvc["metadata"]
-    metrics.observe_status(meta["namespace"], meta["name"], status)
-    current = isvc.get("status") or {}
-    if all(current.get(k) == v for k, v in status.items()):
-        return
-    config.client().patch_status(ISVCS, meta["namespace"], meta["name"], status)
+    namespace, name = meta["namespace"], meta["name"]
+    metrics.observe_status(namespace, name, status)
+    api = config.client()
+    for _ in range(STATUS_WRITE_ATTEMPTS):
+        current = isvc.get("status") or {}
+        if all(current.get(k) == v for k, v in status.items()):
+            return
+        body = {"metadata": {"resourceVersion": isvc["metadata"]["resourceVersion"]}}
+        try:
+            api.request(
+                "PATCH",
+                api.path(ISVCS, namespace, name, "status"),
+                {**body, "status": status},
+                content_type="application/merge-patch+json",
+            )
+            return
+        except KubeApiError as exc:
+            if exc.status != 409:
+                raise
+        fresh = api.get(ISVCS, namespace, name)
+        if fresh is None:
+            return
+        isvc = fresh
+        ours = [x for x in status.get("conditions") or [] if x.get("type") in c.CONDITION_TYPES]
+        theirs = [
+            x
+            for x in (fresh.get("status") or {}).get("conditions") or []
+            if x.get("type") not in c.CONDITION_TYPES
+        ]
+        status = {**status, "conditions": ours + theirs}
+    raise kopf.TemporaryError("status kept changing under the write; retrying", delay=1)
 
 
 UNSERVABLE = frozenset(
@@ -133,7 +169,7 @@ UNSERVABLE = frozenset(
 
 def _fail_if_unservable(status: Mapping[str, Any]) -> None:
     degraded = next(
-        (c for c in status.get("conditions") or [] if c.get("type") == "Degraded"), None
+        (x for x in status.get("conditions") or [] if x.get("type") == c.DEGRADED), None
     )
     if degraded and degraded.get("status") == "True" and degraded.get("reason") in UNSERVABLE:
         metrics.RECONCILE_ERRORS.labels(reason=degraded["reason"]).inc()
@@ -188,7 +224,7 @@ def build_registry(
     @kopf.on.resume(*ISVCS, registry=registry)
     @kopf.on.create(*ISVCS, registry=registry)
     @kopf.on.update(*ISVCS, registry=registry)
-    def reconcile_isvc(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    def reconcile_isvc(body: kopf.Body, **_: Any) -> None:
         isvc = {
             "metadata": dict(body.metadata),
             "spec": dict(body.spec),
@@ -196,9 +232,10 @@ def build_registry(
         }
         with metrics.reconcile_timer("inferenceservice"):
             status = reconcile(config, isvc)
-            metrics.observe_status(body.metadata["namespace"], body.metadata["name"], status)
-            # kopf applies this patch to /status whatever the outcome below.
-            patch.status.update(status)
+            # Written here rather than through kopf's handler patch, which is not preconditioned
+            # and would erase an AutoscalerReady condition the autoscaler wrote meanwhile; before
+            # the check below, so an unservable spec still shows why.
+            write_status(config, isvc, status)
             _fail_if_unservable(status)
 
     @kopf.on.delete(*ISVCS, registry=registry, optional=True)
