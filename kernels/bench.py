@@ -3,7 +3,8 @@
 Decode attention is memory-bound, so it is reported as GB/s against the device-to-device copy
 bandwidth measured in the same run; prefill attention is compute-bound, so TFLOP/s against the
 measured bf16 matmul rate. torch SDPA on contiguous (un-paged) tensors runs the same shapes as
-a reference point. Needs CUDA; torch and triton are imported only when the command runs.
+a reference point, and every kernel's output is checked against it before it is timed (exit
+code 1 on a mismatch). Needs CUDA; torch and triton are imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -106,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    report = _measure(torch, args.warmup, args.iters)
+    try:
+        report = _measure(torch, args.warmup, args.iters)
+    except KernelMismatch as exc:
+        print(f"kvfleet bench kernels: {exc}", file=sys.stderr)
+        return 1
     _print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -134,14 +139,95 @@ def _rotations(set_bytes: int) -> int:
     return max(1, min(MAX_ROTATIONS, -(-ROTATE_MIN_BYTES // max(set_bytes, 1))))
 
 
-def _measure(torch, warmup: int, iters: int) -> dict:
+class KernelMismatch(AssertionError):
+    """A kernel's output disagrees with SDPA on the same inputs: its timing would mean nothing."""
+
+
+# bf16 inputs, float32 accumulation in both: differences are bf16 rounding of the outputs.
+VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}
+
+
+@dataclass(slots=True)
+class AttentionCase:
+    """One input set of a shape: the Triton kernel call and SDPA on the same values laid out
+    contiguously, each returning its output in the layout `verify` compares."""
+
+    kernel: Callable[[], object]
+    sdpa: Callable[[], object]
+
+
+def decode_case(torch, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                block_size: int, device) -> AttentionCase:  # fmt: skip
+    """Random paged inputs (a shuffled block table) for decode attention on `device`."""
     from kvfleet.kernels.triton_decode import decode_attention
+
+    bf16, scale = torch.bfloat16, head_dim**-0.5
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, dtype=bf16, device=device)
+    vc = torch.randn(shape, dtype=bf16, device=device)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    tables = perm.view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, dtype=bf16, device=device)
+    # SDPA reads the same values laid out contiguously: [batch, kv_heads, ctx, D].
+    order = tables.long().reshape(-1)
+    k = kc[order].view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
+    v = vc[order].view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return AttentionCase(
+        kernel=partial(decode_attention, q, kc, vc, tables, lens, context, scale),
+        sdpa=lambda: sdpa(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True).squeeze(2),
+    )
+
+
+def prefill_case(torch, sequences: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
+                 block_size: int, device) -> AttentionCase:  # fmt: skip
+    """Random paged inputs for causal prefill attention with nothing cached, on `device`."""
     from kvfleet.kernels.triton_prefill import prefill_attention
 
+    bf16, scale = torch.bfloat16, head_dim**-0.5
+    blocks_per_seq = -(-tokens // block_size)
+    num_blocks = sequences * blocks_per_seq
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, dtype=bf16, device=device)
+    vc = torch.randn(shape, dtype=bf16, device=device)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    tables = perm.view(sequences, blocks_per_seq)
+    lens = torch.full((sequences,), tokens, dtype=torch.int32, device=device)
+    starts = torch.arange(0, (sequences + 1) * tokens, tokens, dtype=torch.int32, device=device)
+    q = torch.randn(sequences * tokens, heads, head_dim, dtype=bf16, device=device)
+    order = tables.long().reshape(-1)
+    k = kc[order].view(sequences, -1, kv_heads, head_dim)[:, :tokens].transpose(1, 2).contiguous()
+    v = vc[order].view(sequences, -1, kv_heads, head_dim)[:, :tokens].transpose(1, 2).contiguous()
+    qs = q.view(sequences, tokens, heads, head_dim).transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def reference():
+        out = sdpa(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(sequences * tokens, heads, head_dim)
+
+    return AttentionCase(
+        kernel=partial(prefill_attention, q, kc, vc, tables, lens, starts, tokens, scale),
+        sdpa=reference,
+    )
+
+
+def verify(torch, name: str, case: AttentionCase, kernel_out=None) -> None:
+    """Raise KernelMismatch unless the kernel's output (computed now, or `kernel_out`) matches
+    SDPA's on the same inputs."""
+    got = case.kernel() if kernel_out is None else kernel_out
+    want = case.sdpa()
+    try:
+        torch.testing.assert_close(got.float(), want.float(), **VERIFY_TOLERANCE)
+    except AssertionError as exc:
+        raise KernelMismatch(f"{name}: the Triton kernel disagrees with SDPA\n{exc}") from None
+
+
+def _measure(torch, warmup: int, iters: int) -> dict:
     dev = torch.device("cuda")
     bf16 = torch.bfloat16
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    scale = HEAD_DIM**-0.5
 
     src = torch.empty(2**30 // 2, dtype=bf16, device=dev)
     dst = torch.empty_like(src)
@@ -162,25 +248,11 @@ def _measure(torch, warmup: int, iters: int) -> dict:
             nbytes = decode_attention_bytes(
                 batch, context, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BF16_BYTES, BLOCK_SIZE
             )
-            blocks_per_seq = context // BLOCK_SIZE
-            num_blocks = batch * blocks_per_seq
-            calls, sdpa_calls = [], []
-            for _ in range(_rotations(nbytes)):
-                shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-                kc = torch.randn(shape, dtype=bf16, device=dev)
-                vc = torch.randn(shape, dtype=bf16, device=dev)
-                tables = torch.randperm(num_blocks, device=dev, dtype=torch.int32)
-                tables = tables.view(batch, blocks_per_seq)
-                lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-                q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=bf16, device=dev)
-                calls.append(partial(decode_attention, q, kc, vc, tables, lens, context, scale))
-                # SDPA reads the same values laid out contiguously: [batch, kv_heads, ctx, D].
-                k = kc.view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-                v = vc.view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-                qs = q.unsqueeze(2)
-                sdpa_calls.append(partial(sdpa, qs, k, v, scale=scale, enable_gqa=True))
-            t_us = _median_us(torch, calls, warmup, iters)
-            s_us = _median_us(torch, sdpa_calls, warmup, iters)
+            shape = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dev)
+            cases = [decode_case(torch, batch, context, *shape) for _ in range(_rotations(nbytes))]
+            verify(torch, f"decode attention, batch {batch} x context {context}", cases[0])
+            t_us = _median_us(torch, [c.kernel for c in cases], warmup, iters)
+            s_us = _median_us(torch, [c.sdpa for c in cases], warmup, iters)
             gbps = nbytes / (t_us * 1e3)
             decode.append(
                 DecodeResult(
@@ -194,35 +266,16 @@ def _measure(torch, warmup: int, iters: int) -> dict:
                     nbytes / (s_us * 1e3),
                 )
             )
-            del calls, sdpa_calls
+            del cases
             torch.cuda.empty_cache()
 
     prefill = []
     for seqs, tokens in PREFILL_SHAPES:
         flops = prefill_attention_flops(seqs, tokens, NUM_HEADS, HEAD_DIM)
-        blocks_per_seq = tokens // BLOCK_SIZE
-        shape = (seqs * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        kc = torch.randn(shape, dtype=bf16, device=dev)
-        vc = torch.randn(shape, dtype=bf16, device=dev)
-        tables = torch.randperm(shape[0], device=dev, dtype=torch.int32).view(seqs, blocks_per_seq)
-        lens = torch.full((seqs,), tokens, dtype=torch.int32, device=dev)
-        starts = torch.arange(0, (seqs + 1) * tokens, tokens, dtype=torch.int32, device=dev)
-        q = torch.randn(seqs * tokens, NUM_HEADS, HEAD_DIM, dtype=bf16, device=dev)
-        t_us = _median_us(
-            torch,
-            [partial(prefill_attention, q, kc, vc, tables, lens, starts, tokens, scale)],
-            warmup,
-            iters,
-        )
-        qs = q.view(seqs, tokens, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-        k = kc.view(seqs, tokens, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-        v = vc.view(seqs, tokens, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-        s_us = _median_us(
-            torch,
-            [partial(sdpa, qs, k, v, is_causal=True, scale=scale, enable_gqa=True)],
-            warmup,
-            iters,
-        )
+        case = prefill_case(torch, seqs, tokens, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dev)
+        verify(torch, f"prefill attention, {seqs} x {tokens} tokens", case)
+        t_us = _median_us(torch, [case.kernel], warmup, iters)
+        s_us = _median_us(torch, [case.sdpa], warmup, iters)
         tflops = flops / (t_us * 1e6)
         prefill.append(
             PrefillResult(
@@ -236,6 +289,8 @@ def _measure(torch, warmup: int, iters: int) -> dict:
                 flops / (s_us * 1e6),
             )
         )
+        del case
+        torch.cuda.empty_cache()
 
     return {
         "device": torch.cuda.get_device_name(dev),
@@ -246,6 +301,7 @@ def _measure(torch, warmup: int, iters: int) -> dict:
             "block_size": BLOCK_SIZE,
             "dtype": "bfloat16",
         },
+        "verified_against_sdpa": True,  # every shape, before timing (else KernelMismatch)
         "copy_gbps": copy_gbps,
         "matmul_tflops": matmul_tflops,
         "decode": [asdict(r) for r in decode],

@@ -42,3 +42,23 @@ def test_without_cuda_exits_2_with_a_message(capsys):
         pytest.skip("a CUDA device is present: the command runs the benchmark itself")
     assert bench.run(_parse(["kernels"])) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# The GPU benchmark checks every kernel against SDPA before timing it; the same cases run here
+# on CPU under the interpreter (small shapes), so the check itself is known to work.
+@pytest.mark.parametrize(
+    "make,args",
+    [
+        (bench.decode_case, (3, 40, 4, 2, 64, 16)),  # context not a multiple of the block
+        (bench.prefill_case, (2, 33, 6, 2, 64, 8)),
+    ],
+)
+def test_benchmark_cases_verify_the_kernels_against_sdpa(make, args):
+    torch.manual_seed(0)
+    case = make(torch, *args, "cpu")
+    bench.verify(torch, "case", case)  # the Triton kernel agrees with SDPA on the same values
+
+    wrong = case.kernel().clone()
+    wrong.view(-1)[5] += 1.0  # one element off by more than the tolerance
+    with pytest.raises(bench.KernelMismatch, match="case: the Triton kernel disagrees"):
+        bench.verify(torch, "case", case, kernel_out=wrong)
