@@ -101,11 +101,28 @@ def gguf_architecture(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
+# Bytes hashed from each end of a GGUF file to name its conversion: its header (metadata,
+# tensor table) and its last tensor bytes, enough to tell two files of one size apart.
+_GGUF_KEY_BYTES = 1 << 20
+
+
+def gguf_cache_key(path: Path) -> str:
+    """A name for `path`'s conversion that follows its content, not where or when it was
+    installed: every fresh venv reinstalls the bundled GGUF with a new mtime, and a key on
+    mtime left a new 0.5 GB conversion behind per fresh checkout. Hashing both ends (not all
+    of it) keeps a cached start fast."""
+    size = path.stat().st_size
+    digest = hashlib.blake2b(f"{path.name}|{size}|".encode(), digest_size=16)
+    with path.open("rb") as f:
+        digest.update(f.read(_GGUF_KEY_BYTES))
+        f.seek(max(0, size - _GGUF_KEY_BYTES))
+        digest.update(f.read(_GGUF_KEY_BYTES))
+    return digest.hexdigest()[:12]
+
+
 def _convert_gguf(path: Path) -> Path:
     """The safetensors folder converted from `path`, converting on first use only."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_dir() / f"{path.stem}-{key[:12]}"
+    target = cache_dir() / f"{path.stem}-{gguf_cache_key(path)}"
     if (target / "config.json").is_file():
         return target
     arch = gguf_architecture(path)

@@ -4,6 +4,7 @@ input, and weights that land where the model reads them."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -244,3 +245,22 @@ def test_mistral_sliding_window_caps_the_context() -> None:
     )
     # Full attention equals sliding-window attention only within one window.
     assert cfg.max_position_embeddings == 4096 and not cfg.attention_bias
+
+
+def test_conversion_key_follows_content_not_install_time(tmp_path: Path) -> None:
+    """A reinstalled GGUF (same bytes, new path and mtime) reuses the conversion; changed
+    bytes get a new one."""
+    from kvfleet.runtime.loader import gguf_cache_key
+
+    data = bytes(range(256)) * 20_000  # 5 MB: both ends hashed, the middle not
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1, 1))
+    assert gguf_cache_key(first) == gguf_cache_key(second)
+
+    changed = bytearray(data)
+    changed[-10] ^= 0xFF  # a weight near the end
+    second.write_bytes(bytes(changed))
+    assert gguf_cache_key(first) != gguf_cache_key(second)
