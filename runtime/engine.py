@@ -176,6 +176,21 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        # The sampler indexes each logits row with these ids: one past the vocabulary would raise
+        # in the engine thread and stop the engine for every request, so refuse it here.
+        too_big = [t for t in params.logit_bias if t >= vocab]
+        if too_big:
+            raise RequestError(
+                "logit_bias",
+                f"token id {too_big[0]} is out of range: must be < the model's vocabulary "
+                f"size {vocab}",
+            )
+        too_big = [t for t in params.stop_token_ids if t < 0 or t >= vocab]
+        if too_big:
+            raise RequestError(
+                "stop_token_ids",
+                f"token id {too_big[0]} is out of range: must be in [0, {vocab})",
+            )
         max_tokens = params.max_tokens or (self.max_model_len - n)
         if n + max_tokens > self.max_model_len:
             raise RequestError(

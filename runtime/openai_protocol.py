@@ -7,6 +7,7 @@ whose message names the field and the limit, rendered in OpenAI's error shape.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,6 +144,66 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise APIError(400, "stop: must be a string or an array of strings", param="stop")
 
 
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's shape: {"<token id>": bias}; JSON object keys are strings, so ids come as text.
+    Ranges (bias, number of entries) are SamplingParams' to check, the vocabulary the engine's."""
+    value = _get(body, "logit_bias", dict, {})
+    bias: dict[int, float] = {}
+    for key, v in value.items():
+        try:
+            # int() alone would also take " 7", "+7" and "1_0"; past 4300 digits it raises.
+            token = int(key) if re.fullmatch(r"-?[0-9]+", key) else None
+        except ValueError:
+            token = None
+        if token is None:
+            raise APIError(
+                400,
+                f"logit_bias: keys must be token ids written as integers, got {key[:40]!r}",
+                param="logit_bias",
+            )
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise APIError(
+                400,
+                f"logit_bias: bias for token {key} must be a number, got {_type_name(v)}",
+                param="logit_bias",
+            )
+        bias[token] = v
+    return bias
+
+
+# Fields of OpenAI's API this server does not implement: silently ignoring them would return
+# plain text to a client that asked for tool calls, JSON or a suffix, so they are refused.
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+
+
+def _reject_unsupported(body: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
+    for name in (*UNSUPPORTED_FIELDS, *extra):
+        if body.get(name) is not None:
+            raise _unsupported(name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        what = (
+            f"type {response_format.get('type')!r}"
+            if isinstance(response_format, dict)
+            else f"a value of type {_type_name(response_format)}"
+        )
+        raise _unsupported(
+            "response_format",
+            f'{what} is not supported by this server; only {{"type": "text"}} is',
+        )
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != _get(body, "n", int, 1):
+        raise _unsupported(
+            "best_of",
+            f"{best_of} is not supported by this server; it must equal n (every completion "
+            f"generated is returned)",
+        )
+
+
+def _unsupported(name: str, detail: str = "is not supported by this server") -> APIError:
+    return APIError(400, f"{name}: {detail}", param=name, code="unsupported_parameter")
+
+
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     options = _get(body, "stream_options", dict)
     if options is None:
@@ -183,6 +244,7 @@ def _sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+            logit_bias=_logit_bias(body),
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
@@ -197,6 +259,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a /v1/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    _reject_unsupported(body, ("suffix",))
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt: is required", param="prompt")
     prompts = _prompts(body["prompt"])
@@ -250,6 +313,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    _reject_unsupported(body)
     messages = _messages(body.get("messages"))
     stream = _get(body, "stream", bool, False)
     max_tokens = _get(body, "max_completion_tokens", int)

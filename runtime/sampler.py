@@ -1,9 +1,10 @@
 """Turn each scheduled request's last-token logits into its next token.
 
 Batched over requests; the only per-request work is for the few that ask for penalties or a
-seed. A seeded request draws its noise from its own generator, so its tokens do not depend on
-what else is in the batch. Sampling uses the exponential-race form of the Gumbel-max trick
-(argmax p/q with q ~ Exp(1)), which draws from softmax without a cumulative sum.
+seed (the logit biases of the whole batch go in with one indexed add). A seeded request draws
+its noise from its own generator, so its tokens do not depend on what else is in the batch.
+Sampling uses the exponential-race form of the Gumbel-max trick (argmax p/q with q ~ Exp(1)),
+which draws from softmax without a cumulative sum.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ class Sampler:
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: float32 [len(requests), vocab] on CPU."""
+        # Returned logprobs are the model's own distribution: taken before logit_bias, penalties
+        # and min_tokens, as vLLM's default does, so a forced token shows how unlikely it was.
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_constraints(logits, requests)
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -49,6 +53,18 @@ class Sampler:
                 tok = token_list[i]
                 logprobs[i] = TokenLogprob(tok, float(raw_logprobs[i, tok]), top)
         return token_list, logprobs
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Add each request's logit_bias to its row: one indexed add for all biased rows."""
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(requests) if r.params.logit_bias]
+        if not biased:
+            return logits
+        rows = [i for i, bias in biased for _ in bias]
+        cols = [t for _, bias in biased for t in bias]
+        values = [v for _, bias in biased for v in bias.values()]
+        logits[torch.tensor(rows), torch.tensor(cols)] += torch.tensor(values, dtype=logits.dtype)
+        return logits
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

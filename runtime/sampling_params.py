@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -14,6 +15,9 @@ class SamplingParamsError(ValueError):
 
 
 MAX_LOGPROBS = 20
+# OpenAI's limits for logit_bias, kept so that a request valid there is valid here.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass(slots=True)
@@ -38,12 +42,15 @@ class SamplingParams:
     # Log-probability of every prompt token after the first, with top-N alternatives.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id → value added to its logit before any other processing (-100 bans, +100 forces).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -96,6 +103,31 @@ class SamplingParams:
             )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS_ENTRIES} entries (as OpenAI), got {len(bias)}",
+            )
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise SamplingParamsError(
+                    "logit_bias", f"token ids must be integers >= 0, got {token!r}"
+                )
+            if (
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+            ):
+                raise SamplingParamsError(
+                    "logit_bias",
+                    f"bias for token {token} must be a number in [{-MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {value!r}",
+                )
 
     @property
     def greedy(self) -> bool:

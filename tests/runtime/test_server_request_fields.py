@@ -1,0 +1,171 @@
+"""Request fields on `kvfleet serve`: `logit_bias` through the official openai client bans and
+forces tokens on both endpoints, a bad bias is a 400 with `param: "logit_bias"`; fields the
+server does not implement (tools, JSON mode, suffix, best_of > n) are a 400 naming them, not
+silently ignored, while harmless bookkeeping fields still pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from server_fixtures import HTTPResult, ServerProcess, request, running_server
+
+FORCED = 1234
+VOCAB = 49152  # the tiny models' vocabulary (tests/tiny_models.py)
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve-fields")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir: Path) -> str:
+    return tiny_llama_dir.name
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path):
+    from kvfleet.runtime import LLM
+
+    return LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def forced_text(offline) -> str:
+    return offline.tokenizer.decode([FORCED])
+
+
+def test_completion_bias_bans_and_forces_as_the_offline_api_does(client, model, offline):
+    from kvfleet.runtime import SamplingParams
+
+    prompt = "The capital of France is"
+    plain = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    assert FORCED not in plain.token_ids
+    for bias in ({plain.token_ids[0]: -100}, {FORCED: 100}):
+        want = offline.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=5, logit_bias=bias)
+        )[0].outputs[0]
+        r = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0,
+            logit_bias={str(t): v for t, v in bias.items()},
+        )
+        assert r.choices[0].text == want.text
+        assert want.token_ids[0] != plain.token_ids[0]
+    assert want.token_ids == [FORCED] * 5
+
+
+def test_chat_bias_forces_the_token_streamed_or_not(client, model, forced_text):
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(FORCED): 100},
+    )
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].message.content == forced_text * 4
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == forced_text * 4
+
+
+def body(path: str, model: str, **fields: Any) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": model, "max_tokens": 2, **fields}
+    if path == COMPLETIONS:
+        b["prompt"] = "Hello"
+    else:
+        b["messages"] = [{"role": "user", "content": "Hello"}]
+    return b
+
+
+def assert_400(r: HTTPResult, param: str, *words: str) -> None:
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    for w in words:
+        assert w in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(
+    ("bias", "words"),
+    [
+        ({"5": 101}, ["101", "[-100, 100]"]),
+        ({"abc": 1}, ["'abc'", "integers"]),
+        ({"-3": 1}, ["-3", ">= 0"]),
+        ({"5": "high"}, ["number", "string"]),
+        ({str(VOCAB): 1}, [str(VOCAB), "vocabulary"]),
+        ({str(i): 1 for i in range(301)}, ["300", "301"]),
+        ([[5, 1]], ["object", "array"]),
+    ],
+)
+def test_bad_logit_bias_is_a_400_naming_it(server, model, path, bias, words):
+    r = request(server.port, "POST", path, body(path, model, logit_bias=bias))
+    assert_400(r, "logit_bias", *words)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        (CHAT, "tools", [TOOL]),
+        (CHAT, "tool_choice", "auto"),
+        (CHAT, "functions", [TOOL["function"]]),
+        (CHAT, "function_call", "auto"),
+        (CHAT, "parallel_tool_calls", False),
+        (CHAT, "response_format", {"type": "json_object"}),
+        (COMPLETIONS, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        (COMPLETIONS, "suffix", " world"),
+        (COMPLETIONS, "best_of", 3),
+        (CHAT, "tools", []),
+    ],
+)
+def test_unsupported_field_is_a_400_naming_it(server, model, path, field, value):
+    r = request(server.port, "POST", path, body(path, model, **{field: value}))
+    assert_400(r, field, field, "not supported by this server")
+
+
+def test_the_openai_client_gets_a_bad_request_for_tools(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[TOOL]
+        )
+    assert e.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_harmless_and_no_op_fields_are_accepted(server, model, path):
+    fields = {
+        "user": "u-1",
+        "metadata": {"team": "search"},
+        "store": False,
+        "service_tier": "auto",
+        "response_format": {"type": "text"},
+        "best_of": 2,
+        "n": 2,
+        "tools": None,
+        "suffix": None,
+    }
+    r = request(server.port, "POST", path, body(path, model, **fields))
+    assert r.status == 200, r.body
+    assert len(r.json()["choices"]) == 2
