@@ -173,12 +173,25 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
 
 # Fields of OpenAI's API this server does not implement: silently ignoring them would return
 # plain text to a client that asked for tool calls, JSON or a suffix, so they are refused.
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call")
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    """Absent, or a value client frameworks send by default that asks for nothing: no tools,
+    or "do not call one", which is what this server does anyway. (parallel_tool_calls only
+    shapes tool calls, which are refused, so it is accepted whatever it says.)"""
+    if value is None:
+        return True
+    if name in ("tools", "functions"):
+        return isinstance(value, list) and not value
+    if name in ("tool_choice", "function_call"):
+        return value == "none"
+    return False
 
 
 def _reject_unsupported(body: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
     for name in (*UNSUPPORTED_FIELDS, *extra):
-        if body.get(name) is not None:
+        if not _asks_for_nothing(name, body.get(name)):
             raise _unsupported(name)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:

@@ -132,12 +132,12 @@ def test_bad_logit_bias_is_a_400_naming_it(server, model, path, bias, words):
         (CHAT, "tool_choice", "auto"),
         (CHAT, "functions", [TOOL["function"]]),
         (CHAT, "function_call", "auto"),
-        (CHAT, "parallel_tool_calls", False),
         (CHAT, "response_format", {"type": "json_object"}),
         (COMPLETIONS, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
         (COMPLETIONS, "suffix", " world"),
+        (COMPLETIONS, "suffix", "none"),  # text, not the tool_choice keyword
         (COMPLETIONS, "best_of", 3),
-        (CHAT, "tools", []),
+        (CHAT, "tool_choice", "required"),
     ],
 )
 def test_unsupported_field_is_a_400_naming_it(server, model, path, field, value):
@@ -165,6 +165,12 @@ def test_harmless_and_no_op_fields_are_accepted(server, model, path):
         "n": 2,
         "tools": None,
         "suffix": None,
+        # what client frameworks send when no tools are wanted
+        **(
+            {"tools": [], "tool_choice": "none", "parallel_tool_calls": False}
+            if path == CHAT
+            else {}
+        ),
     }
     r = request(server.port, "POST", path, body(path, model, **fields))
     assert r.status == 200, r.body
