@@ -156,25 +156,35 @@ class AttentionCase:
     sdpa: Callable[[], object]
 
 
+def _paged_kv(torch, seqs: int, tokens: int, kv_heads: int, head_dim: int, block_size: int,
+              device) -> tuple:  # fmt: skip
+    """Random bf16 K/V caches of `seqs` sequences of `tokens` each behind a shuffled block
+    table, and the same values gathered contiguously as SDPA reads them ([seqs, kv_heads,
+    tokens, D])."""
+    blocks_per_seq = -(-tokens // block_size)
+    num_blocks = seqs * blocks_per_seq
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    vc = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(seqs, blocks_per_seq)
+
+    def gathered(cache):
+        rows = cache[tables.long().reshape(-1)].view(seqs, -1, kv_heads, head_dim)
+        return rows[:, :tokens].transpose(1, 2).contiguous()
+
+    lens = torch.full((seqs,), tokens, dtype=torch.int32, device=device)
+    return kc, vc, tables, lens, gathered(kc), gathered(vc)
+
+
 def decode_case(torch, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
                 block_size: int, device) -> AttentionCase:  # fmt: skip
     """Random paged inputs (a shuffled block table) for decode attention on `device`."""
     from kvfleet.kernels.triton_decode import decode_attention
 
-    bf16, scale = torch.bfloat16, head_dim**-0.5
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    kc = torch.randn(shape, dtype=bf16, device=device)
-    vc = torch.randn(shape, dtype=bf16, device=device)
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    tables = perm.view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q = torch.randn(batch, heads, head_dim, dtype=bf16, device=device)
-    # SDPA reads the same values laid out contiguously: [batch, kv_heads, ctx, D].
-    order = tables.long().reshape(-1)
-    k = kc[order].view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
-    v = vc[order].view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
+    scale = head_dim**-0.5
+    kc, vc, tables, lens, k, v = _paged_kv(torch, batch, context, kv_heads, head_dim,
+                                           block_size, device)  # fmt: skip
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return AttentionCase(
         kernel=partial(decode_attention, q, kc, vc, tables, lens, context, scale),
@@ -187,20 +197,11 @@ def prefill_case(torch, sequences: int, tokens: int, heads: int, kv_heads: int, 
     """Random paged inputs for causal prefill attention with nothing cached, on `device`."""
     from kvfleet.kernels.triton_prefill import prefill_attention
 
-    bf16, scale = torch.bfloat16, head_dim**-0.5
-    blocks_per_seq = -(-tokens // block_size)
-    num_blocks = sequences * blocks_per_seq
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    kc = torch.randn(shape, dtype=bf16, device=device)
-    vc = torch.randn(shape, dtype=bf16, device=device)
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    tables = perm.view(sequences, blocks_per_seq)
-    lens = torch.full((sequences,), tokens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    kc, vc, tables, lens, k, v = _paged_kv(torch, sequences, tokens, kv_heads, head_dim,
+                                           block_size, device)  # fmt: skip
     starts = torch.arange(0, (sequences + 1) * tokens, tokens, dtype=torch.int32, device=device)
-    q = torch.randn(sequences * tokens, heads, head_dim, dtype=bf16, device=device)
-    order = tables.long().reshape(-1)
-    k = kc[order].view(sequences, -1, kv_heads, head_dim)[:, :tokens].transpose(1, 2).contiguous()
-    v = vc[order].view(sequences, -1, kv_heads, head_dim)[:, :tokens].transpose(1, 2).contiguous()
+    q = torch.randn(sequences * tokens, heads, head_dim, dtype=torch.bfloat16, device=device)
     qs = q.view(sequences, tokens, heads, head_dim).transpose(1, 2).contiguous()
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
