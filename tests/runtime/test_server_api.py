@@ -1,20 +1,17 @@
-"""`kvfleet serve` through the official openai client: completions and chat, streaming and not,
+"""`kvfleet serve` through the official openai tiny_client: completions and chat, streaming and not,
 n > 1, stop, logprobs, seeds, usage, 64 concurrent streams against the offline API, /metrics."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from server_fixtures import (
-    ServerProcess,
     metric,
     open_stream,
     read_events,
-    running_server,
     scrape,
     wait_for_metric,
 )
@@ -23,21 +20,8 @@ from kvfleet import contract
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve-api")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI, tiny_llama_dir: Path) -> str:
-    models = client.models.list().data
+def model(tiny_client: openai.OpenAI, tiny_llama_dir: Path) -> str:
+    models = tiny_client.models.list().data
     assert [m.id for m in models] == [tiny_llama_dir.name]
     return models[0].id
 
@@ -49,10 +33,10 @@ def offline(tiny_llama_dir: Path):
     return LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB")
 
 
-def test_completion_matches_the_offline_api_and_counts_usage(client, model, offline):
+def test_completion_matches_the_offline_api_and_counts_usage(tiny_client, model, offline):
     from kvfleet.runtime import SamplingParams
 
-    r = client.completions.create(
+    r = tiny_client.completions.create(
         model=model, prompt="The capital of France is", max_tokens=12, temperature=0
     )
     want = offline.generate(
@@ -65,14 +49,14 @@ def test_completion_matches_the_offline_api_and_counts_usage(client, model, offl
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
 
 
-def test_token_id_prompts_and_prompt_lists_give_one_choice_each(client, model, offline):
+def test_token_id_prompts_and_prompt_lists_give_one_choice_each(tiny_client, model, offline):
     ids = offline.tokenizer.encode("Once upon a time", add_special_tokens=False)
-    by_text = client.completions.create(
+    by_text = tiny_client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=6, temperature=0
     )
-    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    by_ids = tiny_client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    many = client.completions.create(
+    many = tiny_client.completions.create(
         model=model, prompt=["Once upon a time", "Hello"], max_tokens=5, temperature=0, n=2
     )
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
@@ -83,19 +67,19 @@ def test_token_id_prompts_and_prompt_lists_give_one_choice_each(client, model, o
     assert many.usage.completion_tokens == 4 * 5
 
 
-def test_echo_prepends_the_prompt(client, model):
-    r = client.completions.create(
+def test_echo_prepends_the_prompt(tiny_client, model):
+    r = tiny_client.completions.create(
         model=model, prompt="Echo me", max_tokens=3, temperature=0, echo=True
     )
     assert r.choices[0].text.startswith("Echo me")
     assert len(r.choices[0].text) > len("Echo me")
 
 
-def test_streamed_completion_equals_the_unstreamed_one(client, model):
+def test_streamed_completion_equals_the_unstreamed_one(tiny_client, model):
     args = {"model": model, "prompt": "Stream this", "max_tokens": 10, "temperature": 0}
-    full = client.completions.create(**args)
+    full = tiny_client.completions.create(**args)
     chunks = list(
-        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+        tiny_client.completions.create(**args, stream=True, stream_options={"include_usage": True})
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
@@ -105,30 +89,30 @@ def test_streamed_completion_equals_the_unstreamed_one(client, model):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
-def test_stop_string_cuts_the_text_before_it(client, model):
+def test_stop_string_cuts_the_text_before_it(tiny_client, model):
     args = {"model": model, "prompt": "Tell me a story", "max_tokens": 16, "temperature": 0}
-    full = client.completions.create(**args).choices[0].text
+    full = tiny_client.completions.create(**args).choices[0].text
     stop = full[6:10]
     want = full[: full.find(stop)]
-    r = client.completions.create(**args, stop=[stop])
+    r = tiny_client.completions.create(**args, stop=[stop])
     assert r.choices[0].text == want
     assert r.choices[0].finish_reason == "stop"
-    streamed = list(client.completions.create(**args, stop=stop, stream=True))
+    streamed = list(tiny_client.completions.create(**args, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == want
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
-def test_seed_makes_sampling_repeatable(client, model):
+def test_seed_makes_sampling_repeatable(tiny_client, model):
     args = {"model": model, "prompt": "Random words:", "max_tokens": 12, "temperature": 1.0}
-    a = client.completions.create(**args, seed=1234).choices[0].text
-    b = client.completions.create(**args, seed=1234).choices[0].text
-    c = client.completions.create(**args, seed=4321).choices[0].text
+    a = tiny_client.completions.create(**args, seed=1234).choices[0].text
+    b = tiny_client.completions.create(**args, seed=1234).choices[0].text
+    c = tiny_client.completions.create(**args, seed=4321).choices[0].text
     assert a == b
     assert a != c
 
 
-def test_n_completions_are_independent_samples(client, model):
-    r = client.completions.create(
+def test_n_completions_are_independent_samples(tiny_client, model):
+    r = tiny_client.completions.create(
         model=model, prompt="Pick:", max_tokens=8, temperature=1.0, n=3, seed=7
     )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
@@ -136,8 +120,8 @@ def test_n_completions_are_independent_samples(client, model):
     assert r.usage.completion_tokens == 24
 
 
-def test_completion_logprobs(client, model):
-    r = client.completions.create(
+def test_completion_logprobs(tiny_client, model):
+    r = tiny_client.completions.create(
         model=model, prompt="Logprobs", max_tokens=5, temperature=0, logprobs=3
     )
     lp = r.choices[0].logprobs
@@ -150,7 +134,7 @@ def test_completion_logprobs(client, model):
         assert chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the best
 
 
-def test_chat_matches_the_offline_chat(client, model, offline):
+def test_chat_matches_the_offline_chat(tiny_client, model, offline):
     from kvfleet.runtime import SamplingParams
 
     messages = [
@@ -160,7 +144,7 @@ def test_chat_matches_the_offline_chat(client, model, offline):
             "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
         },
     ]
-    r = client.chat.completions.create(
+    r = tiny_client.chat.completions.create(
         model=model, messages=messages, max_completion_tokens=9, temperature=0
     )
     plain = [messages[0], {"role": "user", "content": "Hi there"}]
@@ -171,7 +155,7 @@ def test_chat_matches_the_offline_chat(client, model, offline):
     assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
 
 
-def test_streamed_chat_sends_role_first_finish_last_and_usage(client, model):
+def test_streamed_chat_sends_role_first_finish_last_and_usage(tiny_client, model):
     args = {
         "model": model,
         "messages": [{"role": "user", "content": "Count"}],
@@ -179,9 +163,11 @@ def test_streamed_chat_sends_role_first_finish_last_and_usage(client, model):
         "temperature": 0,
         "n": 2,
     }
-    full = client.chat.completions.create(**args)
+    full = tiny_client.chat.completions.create(**args)
     chunks = list(
-        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+        tiny_client.chat.completions.create(
+            **args, stream=True, stream_options={"include_usage": True}
+        )
     )
     for k in range(2):
         mine = [ch for c in chunks if c.choices for ch in c.choices if ch.index == k]
@@ -192,8 +178,8 @@ def test_streamed_chat_sends_role_first_finish_last_and_usage(client, model):
     assert chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
-def test_chat_logprobs(client, model):
-    r = client.chat.completions.create(
+def test_chat_logprobs(tiny_client, model):
+    r = tiny_client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=4,
@@ -210,38 +196,38 @@ def test_chat_logprobs(client, model):
         assert bytes(c.bytes).decode() == c.token
 
 
-async def test_64_concurrent_streams_equal_the_offline_api(server, model, offline):
+async def test_64_concurrent_streams_equal_the_offline_api(tiny_server, model, offline):
     from kvfleet.runtime import SamplingParams
 
     prompts = [f"Request number {i} says" for i in range(64)]
     lengths = [4 + i % 13 for i in range(64)]
     want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
-    client = openai.AsyncOpenAI(
-        base_url=server.api_url, api_key="unused", max_retries=0, timeout=120
+    async_client = openai.AsyncOpenAI(
+        base_url=tiny_server.api_url, api_key="unused", max_retries=0, timeout=120
     )
 
     async def one(prompt: str, n: int) -> str:
-        stream = await client.completions.create(
+        stream = await async_client.completions.create(
             model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True
         )
         return "".join([c.choices[0].text async for c in stream])
 
     got = await asyncio.wait_for(asyncio.gather(*map(one, prompts, lengths)), 150)
-    await client.close()
+    await async_client.close()
     assert got == [w.outputs[0].text for w in want]
 
 
-def test_metrics_are_pinned_and_token_counters_match_usage(server, client, model):
-    before = scrape(server)
+def test_metrics_are_pinned_and_token_counters_match_usage(tiny_server, tiny_client, model):
+    before = scrape(tiny_server)
     names = {n for n, _ in before}
     assert contract.exposed_names() <= names
     assert all(
         dict(labels).get("model_name") == model for n, labels in before if n.startswith("vllm:")
     )
-    r = client.completions.create(
+    r = tiny_client.completions.create(
         model=model, prompt=["Count the tokens", "Twice"], max_tokens=9, temperature=0.5, n=2
     )
-    after = scrape(server)
+    after = scrape(tiny_server)
 
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -255,7 +241,7 @@ def test_metrics_are_pinned_and_token_counters_match_usage(server, client, model
     assert delta("vllm:prefix_cache_queries_total") >= r.usage.prompt_tokens
 
 
-def test_disconnect_mid_stream_frees_the_kv_cache(server, model):
+def test_disconnect_mid_stream_frees_the_kv_cache(tiny_server, model):
     body = {
         "model": model,
         "prompt": "Go on forever",
@@ -264,36 +250,38 @@ def test_disconnect_mid_stream_frees_the_kv_cache(server, model):
         "stream": True,
         "temperature": 0,
     }
-    conn, resp = open_stream(server.port, "/v1/completions", body, timeout=30)
+    conn, resp = open_stream(tiny_server.port, "/v1/completions", body, timeout=30)
     # A few tokens in: the request is running and holds KV blocks.
     assert len(read_events(resp, 3)) == 3, "the stream ended before the client hung up"
-    assert metric(scrape(server), contract.KV_CACHE_USAGE_PERC) > 0
-    assert metric(scrape(server), contract.NUM_REQUESTS_RUNNING) == 1
+    assert metric(scrape(tiny_server), contract.KV_CACHE_USAGE_PERC) > 0
+    assert metric(scrape(tiny_server), contract.NUM_REQUESTS_RUNNING) == 1
     conn.sock.close()  # hang up mid-stream
     conn.close()
-    wait_for_metric(server, contract.KV_CACHE_USAGE_PERC, lambda v: v == 0)
-    wait_for_metric(server, contract.NUM_REQUESTS_RUNNING, lambda v: v == 0)
-    samples = scrape(server)
+    wait_for_metric(tiny_server, contract.KV_CACHE_USAGE_PERC, lambda v: v == 0)
+    wait_for_metric(tiny_server, contract.NUM_REQUESTS_RUNNING, lambda v: v == 0)
+    samples = scrape(tiny_server)
     assert metric(samples, "vllm:request_success_total", finished_reason="abort") >= 1
 
 
-async def test_bench_serve_drives_the_server_and_counts_every_token(server, offline):
+async def test_bench_serve_drives_the_server_and_counts_every_token(tiny_server, offline):
     from kvfleet.runtime.bench_serve import drive
 
     ids = offline.tokenizer.encode("Benchmark prompt", add_special_tokens=False)
     workload = [(ids, 5 + i) for i in range(6)]
-    result = await drive(server.url, workload, concurrency=3, timeout=60)
+    result = await drive(tiny_server.url, workload, concurrency=3, timeout=60)
     assert result.errors == 0 and result.num_requests == 6
     assert result.output_tokens_per_s * result.duration_s == pytest.approx(sum(range(5, 11)))
     assert 0 < result.ttft_p50 <= result.e2e_p50 and 0 < result.itl_p50 <= result.itl_p99
 
 
-async def test_bench_serve_keeps_samples_out_of_the_json_and_plots_them(server, offline, tmp_path):
+async def test_bench_serve_keeps_samples_out_of_the_json_and_plots_them(
+    tiny_server, offline, tmp_path
+):
     from kvfleet.runtime.bench_plots import plot_concurrency_sweep, plot_latency_cdfs
     from kvfleet.runtime.bench_serve import drive
 
     ids = offline.tokenizer.encode("Plot prompt", add_special_tokens=False)
-    runs = [await drive(server.url, [(ids, 4)] * 4, concurrency=c, timeout=60) for c in (1, 4)]
+    runs = [await drive(tiny_server.url, [(ids, 4)] * 4, concurrency=c, timeout=60) for c in (1, 4)]
     assert len(runs[0].samples["ttft"]) == 4 and len(runs[0].samples["e2e"]) == 4
     assert 0 < len(runs[0].samples["itl"]) <= 4 * 3
     assert "samples" not in runs[0].public() and runs[0].public()["concurrency"] == 1

@@ -1,15 +1,13 @@
-"""`/v1/completions` with `echo` and `logprobs` through the official openai client: the prompt
+"""`/v1/completions` with `echo` and `logprobs` through the official openai tiny_client: the prompt
 is scored and its tokens come first in OpenAI's legacy logprobs shape, streaming and not."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from server_fixtures import ServerProcess, running_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 5
@@ -17,21 +15,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve-echo")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
+def model(tiny_client: openai.OpenAI) -> str:
+    return tiny_client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +61,8 @@ def _check_prompt_part(lp, offline, scored) -> None:
         assert lp.top_logprobs[i] == pytest.approx(want_top, abs=TOL)
 
 
-def test_echo_with_logprobs_scores_the_prompt_first(client, model, offline, scored) -> None:
-    r = client.completions.create(model=model, **_args())
+def test_echo_with_logprobs_scores_the_prompt_first(tiny_client, model, offline, scored) -> None:
+    r = tiny_client.completions.create(model=model, **_args())
     choice = r.choices[0]
     lp = choice.logprobs
     n = len(scored[0])
@@ -93,11 +78,11 @@ def test_echo_with_logprobs_scores_the_prompt_first(client, model, offline, scor
 
 
 def test_streamed_echo_sends_the_scored_prompt_in_the_first_chunk(
-    client, model, offline, scored
+    tiny_client, model, offline, scored
 ) -> None:
-    full = client.completions.create(model=model, **_args()).choices[0]
+    full = tiny_client.completions.create(model=model, **_args()).choices[0]
     chunks = list(
-        client.completions.create(
+        tiny_client.completions.create(
             model=model, **_args(), stream=True, stream_options={"include_usage": True}
         )
     )
@@ -121,25 +106,25 @@ def test_streamed_echo_sends_the_scored_prompt_in_the_first_chunk(
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_every_choice_of_n_gets_the_same_scored_prompt(client, model, offline, scored) -> None:
-    r = client.completions.create(model=model, **_args(n=2, temperature=1.0, seed=3))
+def test_every_choice_of_n_gets_the_same_scored_prompt(tiny_client, model, offline, scored) -> None:
+    r = tiny_client.completions.create(model=model, **_args(n=2, temperature=1.0, seed=3))
     assert sorted(c.index for c in r.choices) == [0, 1]
     for choice in r.choices:
         _check_prompt_part(choice.logprobs, offline, scored)
     assert r.usage.completion_tokens == 2 * MAX_TOKENS
 
 
-def test_echo_alone_and_logprobs_alone_are_unchanged(client, model, scored) -> None:
-    echoed = client.completions.create(model=model, **_args(logprobs=None))
+def test_echo_alone_and_logprobs_alone_are_unchanged(tiny_client, model, scored) -> None:
+    echoed = tiny_client.completions.create(model=model, **_args(logprobs=None))
     assert echoed.choices[0].logprobs is None
     assert echoed.choices[0].text.startswith(PROMPT)
-    plain = client.completions.create(model=model, **_args(echo=False))
+    plain = tiny_client.completions.create(model=model, **_args(echo=False))
     assert len(plain.choices[0].logprobs.tokens) == MAX_TOKENS
     assert not plain.choices[0].text.startswith(PROMPT)
 
 
-def test_out_of_range_logprobs_with_echo_is_a_400_naming_the_field(client, model) -> None:
+def test_out_of_range_logprobs_with_echo_is_a_400_naming_the_field(tiny_client, model) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, **_args(logprobs=21))
+        tiny_client.completions.create(model=model, **_args(logprobs=21))
     assert e.value.param == "logprobs"
     assert "must be in [0, 20]" in e.value.message

@@ -5,13 +5,12 @@ silently ignored, while harmless bookkeeping fields still pass."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from server_fixtures import HTTPResult, ServerProcess, request, running_server
+from server_fixtures import HTTPResult, request
 
 FORCED = 1234
 VOCAB = 49152  # the tiny models' vocabulary (tests/tiny_models.py)
@@ -21,19 +20,6 @@ TOOL = {
 }
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve-fields")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +39,7 @@ def forced_text(offline) -> str:
     return offline.tokenizer.decode([FORCED])
 
 
-def test_completion_bias_bans_and_forces_as_the_offline_api_does(client, model, offline):
+def test_completion_bias_bans_and_forces_as_the_offline_api_does(tiny_client, model, offline):
     from kvfleet.runtime import SamplingParams
 
     prompt = "The capital of France is"
@@ -63,7 +49,7 @@ def test_completion_bias_bans_and_forces_as_the_offline_api_does(client, model, 
         want = offline.generate(
             prompt, SamplingParams(temperature=0, max_tokens=5, logit_bias=bias)
         )[0].outputs[0]
-        r = client.completions.create(
+        r = tiny_client.completions.create(
             model=model,
             prompt=prompt,
             max_tokens=5,
@@ -75,7 +61,7 @@ def test_completion_bias_bans_and_forces_as_the_offline_api_does(client, model, 
     assert want.token_ids == [FORCED] * 5
 
 
-def test_chat_bias_forces_the_token_streamed_or_not(client, model, forced_text):
+def test_chat_bias_forces_the_token_streamed_or_not(tiny_client, model, forced_text):
     kwargs = dict(
         model=model,
         messages=[{"role": "user", "content": "Say something."}],
@@ -83,9 +69,9 @@ def test_chat_bias_forces_the_token_streamed_or_not(client, model, forced_text):
         temperature=0,
         logit_bias={str(FORCED): 100},
     )
-    r = client.chat.completions.create(**kwargs)
+    r = tiny_client.chat.completions.create(**kwargs)
     assert r.choices[0].message.content == forced_text * 4
-    stream = client.chat.completions.create(**kwargs, stream=True)
+    stream = tiny_client.chat.completions.create(**kwargs, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == forced_text * 4
 
@@ -120,8 +106,8 @@ def assert_400(r: HTTPResult, param: str, *words: str) -> None:
         ([[5, 1]], ["object", "array"]),
     ],
 )
-def test_bad_logit_bias_is_a_400_naming_it(server, model, path, bias, words):
-    r = request(server.port, "POST", path, body(path, model, logit_bias=bias))
+def test_bad_logit_bias_is_a_400_naming_it(tiny_server, model, path, bias, words):
+    r = request(tiny_server.port, "POST", path, body(path, model, logit_bias=bias))
     assert_400(r, "logit_bias", *words)
 
 
@@ -140,21 +126,21 @@ def test_bad_logit_bias_is_a_400_naming_it(server, model, path, bias, words):
         (CHAT, "tool_choice", "required"),
     ],
 )
-def test_unsupported_field_is_a_400_naming_it(server, model, path, field, value):
-    r = request(server.port, "POST", path, body(path, model, **{field: value}))
+def test_unsupported_field_is_a_400_naming_it(tiny_server, model, path, field, value):
+    r = request(tiny_server.port, "POST", path, body(path, model, **{field: value}))
     assert_400(r, field, field, "not supported by this server")
 
 
-def test_the_openai_client_gets_a_bad_request_for_tools(client, model):
+def test_the_openai_client_gets_a_bad_request_for_tools(tiny_client, model):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
+        tiny_client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[TOOL]
         )
     assert e.value.body["param"] == "tools"
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_harmless_and_no_op_fields_are_accepted(server, model, path):
+def test_harmless_and_no_op_fields_are_accepted(tiny_server, model, path):
     fields = {
         "user": "u-1",
         "metadata": {"team": "search"},
@@ -172,6 +158,6 @@ def test_harmless_and_no_op_fields_are_accepted(server, model, path):
             else {}
         ),
     }
-    r = request(server.port, "POST", path, body(path, model, **fields))
+    r = request(tiny_server.port, "POST", path, body(path, model, **fields))
     assert r.status == 200, r.body
     assert len(r.json()["choices"]) == 2

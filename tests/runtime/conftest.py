@@ -1,0 +1,26 @@
+"""Fixtures shared by the runtime's server tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from server_fixtures import ServerProcess, running_server
+
+
+@pytest.fixture(scope="session")
+def tiny_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One `kvfleet serve` of the tiny random Llama with default flags, shared by every test
+    that needs no special server (each start costs seconds; tests read metrics as deltas)."""
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("serve-tiny")) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_client(tiny_server: ServerProcess) -> openai.OpenAI:
+    """The official OpenAI client pointed at `tiny_server`."""
+    return openai.OpenAI(base_url=tiny_server.api_url, api_key="unused", max_retries=0, timeout=60)
