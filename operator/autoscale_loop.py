@@ -35,7 +35,7 @@ import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscaler import Decision, History, PodSample, decide_replicas
-from kvfleet.operator.kube_api import DEPLOYMENTS, PODS, KubeApi, KubeApiError
+from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
     MetricsUnavailable,
     PodTarget,
@@ -48,13 +48,11 @@ from kvfleet import contract
 
 log = logging.getLogger("kvfleet.autoscaler")
 
-ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 EVENTS = ("", "v1", "events")
 AUTOSCALER_READY = "AutoscalerReady"
 SCALED_UP, SCALED_DOWN = "ScaledUp", "ScaledDown"
 RUNTIME_PORT_SETTING = "runtime_port"
 OBSERVERS_SETTING = "autoscaler_observers"
-WRITE_ATTEMPTS = 3  # re-read and retry a write refused with 409 this many times
 MAX_ERRORS_SHOWN = 3
 
 
@@ -201,26 +199,13 @@ def _selector(deployment: Mapping[str, Any]) -> str:
 def scale_deployment(api: KubeApi, namespace: str, name: str, expected: int, desired: int) -> bool:
     """Set the Deployment's replicas from `expected` to `desired`; False (and no change) when
     someone else changed them meanwhile — the next poll decides again from the new count."""
-    for _ in range(WRITE_ATTEMPTS):
-        deployment = api.get(DEPLOYMENTS, namespace, name)
-        if deployment is None or (deployment.get("spec") or {}).get("replicas", 1) != expected:
-            return False
-        body = {
-            "metadata": {"resourceVersion": deployment["metadata"]["resourceVersion"]},
-            "spec": {"replicas": desired},
-        }
-        try:
-            api.request(
-                "PATCH",
-                api.path(DEPLOYMENTS, namespace, name),
-                body,
-                content_type="application/merge-patch+json",
-            )
-            return True
-        except KubeApiError as exc:
-            if exc.status != 409:  # the Deployment changed between the read and the write
-                raise
-    return False
+
+    def compute(deployment: dict[str, Any]) -> dict[str, Any] | None:
+        if (deployment.get("spec") or {}).get("replicas", 1) != expected:
+            return None
+        return {"spec": {"replicas": desired}}
+
+    return api.patch_preconditioned(DEPLOYMENTS, namespace, name, compute) == "written"
 
 
 def write_status(
@@ -230,15 +215,12 @@ def write_status(
     autoscaling: Mapping[str, Any] | None,
     ready: c.Condition,
 ) -> None:
-    """Merge `status.autoscaling` and the AutoscalerReady condition into the object's status.
+    """Merge `status.autoscaling` and the AutoscalerReady condition into the object's status,
+    preconditioned on resourceVersion so the reconciler's latest conditions are never lost."""
 
-    Preconditioned on resourceVersion: the conditions list is replaced as a whole by a merge
-    patch, so writing it over a newer one would drop the reconciler's latest conditions.
-    """
-    for _ in range(WRITE_ATTEMPTS):
-        isvc = api.get(ISVCS, namespace, name)
-        if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-            return
+    def compute(isvc: dict[str, Any]) -> dict[str, Any] | None:
+        if isvc["metadata"].get("deletionTimestamp"):
+            return None
         status = isvc.get("status") or {}
         conds = c.merge_conditions(
             status.get("conditions"),
@@ -249,24 +231,15 @@ def write_status(
         if autoscaling is not None:
             new["autoscaling"] = {**(status.get("autoscaling") or {}), **autoscaling}
         if all(status.get(k) == v for k, v in new.items()):
-            return
-        body = {"metadata": {"resourceVersion": isvc["metadata"]["resourceVersion"]}, "status": new}
-        try:
-            api.request(
-                "PATCH",
-                api.path(ISVCS, namespace, name, "status"),
-                body,
-                content_type="application/merge-patch+json",
-            )
-            return
-        except KubeApiError as exc:
-            if exc.status == 404:
-                return
-            if exc.status != 409:
-                raise
-    log.info(
-        "%s/%s: status changed under every write attempt; the next poll writes it", namespace, name
-    )
+            return None
+        return {"status": new}
+
+    if api.patch_preconditioned(ISVCS, namespace, name, compute, sub="status") == "conflict":
+        log.info(
+            "%s/%s: status changed under every write attempt; the next poll writes it",
+            namespace,
+            name,
+        )
 
 
 async def read_samples(

@@ -17,7 +17,7 @@ import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.apply import apply_child
-from kvfleet.operator.kube_api import DEPLOYMENTS, PODS, SERVICES, KubeApi, KubeApiError
+from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, SERVICES, KubeApi, KubeApiError
 from kvfleet.operator.render import (
     MANAGED_BY,
     render_deployment,
@@ -30,7 +30,6 @@ from kvfleet.operator.status import compute_status
 
 from kvfleet import contract
 
-ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 ANNOTATION_PREFIX = contract.API_GROUP  # kopf's bookkeeping annotations: kvfleet.dev/...
 RETRY_DELAY_SECONDS = 5
@@ -102,58 +101,35 @@ def refresh_from_child(config: OperatorConfig, namespace: str, name: str) -> Non
     if isvc is None or isvc["metadata"].get("deletionTimestamp"):
         return  # being deleted: garbage collection removes the children
     with metrics.reconcile_timer("child"):
-        status = reconcile(config, isvc)
-        try:
-            write_status(config, isvc, status)
-        except KubeApiError as exc:
-            if exc.status != 404:
-                raise
-            # Deleted while we worked: anything just created is collected with it.
-
-
-# Status writes refused with 409 (someone wrote in between) are re-read and retried this often.
-STATUS_WRITE_ATTEMPTS = 3
+        # Deleted while we worked: the write finds nothing (anything just created is collected
+        # with it).
+        write_status(config, isvc, reconcile(config, isvc))
 
 
 def write_status(config: OperatorConfig, isvc: Mapping[str, Any], status: dict[str, Any]) -> None:
     """Patch status only when it differs, so status writes cannot feed a watch loop.
 
-    Preconditioned on the resourceVersion read: a merge patch replaces `conditions` whole, and
-    the autoscaler writes its AutoscalerReady condition into the same list, so a write based
-    on an older read would erase it. On a conflict the object is read again and its conditions
-    of other types are kept under ours."""
+    Preconditioned on the resourceVersion read: the autoscaler writes its AutoscalerReady
+    condition into the same list, and a write based on an older read would erase it. On a
+    conflict the object is read again and its conditions of other types kept under ours."""
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     metrics.observe_status(namespace, name, status)
-    api = config.client()
-    for _ in range(STATUS_WRITE_ATTEMPTS):
-        current = isvc.get("status") or {}
-        if all(current.get(k) == v for k, v in status.items()):
-            return
-        body = {"metadata": {"resourceVersion": isvc["metadata"]["resourceVersion"]}}
-        try:
-            api.request(
-                "PATCH",
-                api.path(ISVCS, namespace, name, "status"),
-                {**body, "status": status},
-                content_type="application/merge-patch+json",
-            )
-            return
-        except KubeApiError as exc:
-            if exc.status != 409:
-                raise
-        fresh = api.get(ISVCS, namespace, name)
-        if fresh is None:
-            return
-        isvc = fresh
-        ours = [x for x in status.get("conditions") or [] if x.get("type") in c.CONDITION_TYPES]
-        theirs = [
-            x
-            for x in (fresh.get("status") or {}).get("conditions") or []
-            if x.get("type") not in c.CONDITION_TYPES
-        ]
-        status = {**status, "conditions": ours + theirs}
-    raise kopf.TemporaryError("status kept changing under the write; retrying", delay=1)
+    ours = [x for x in status.get("conditions") or [] if x.get("type") in c.CONDITION_TYPES]
+
+    def compute(current: dict[str, Any]) -> dict[str, Any] | None:
+        old = current.get("status") or {}
+        theirs = [x for x in old.get("conditions") or [] if x.get("type") not in c.CONDITION_TYPES]
+        new = {**status, "conditions": ours + theirs}
+        if all(old.get(k) == v for k, v in new.items()):
+            return None
+        return {"status": new}
+
+    outcome = config.client().patch_preconditioned(
+        ISVCS, namespace, name, compute, sub="status", current=dict(isvc)
+    )
+    if outcome == "conflict":
+        raise kopf.TemporaryError("status kept changing under the write; retrying", delay=1)
 
 
 UNSERVABLE = frozenset(

@@ -9,14 +9,21 @@ kopf's thread pool.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
+
+from kvfleet import contract
 
 DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICES = ("", "v1", "services")
 PODS = ("", "v1", "pods")
+ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
+
+# What a preconditioned patch came to: written; nothing to write (or the object is gone); or
+# a newer version met at every attempt (someone keeps writing: the caller retries later).
+PatchOutcome = Literal["written", "unchanged", "conflict"]
 
 
 class KubeApiError(Exception):
@@ -144,3 +151,46 @@ class KubeApi:
             )
             or {}
         )
+
+    def patch_preconditioned(
+        self,
+        resource: tuple[str, str, str],
+        namespace: str,
+        name: str,
+        compute: Callable[[dict[str, Any]], dict[str, Any] | None],
+        *,
+        sub: str = "",
+        current: dict[str, Any] | None = None,
+        attempts: int = 3,
+    ) -> PatchOutcome:
+        """Merge-patch `compute(object)` (None: nothing to write) onto the object as read, or
+        as given in `current`, preconditioned on its resourceVersion: a write computed from a
+        stale read is refused with 409 instead of overwriting another writer's change (a merge
+        patch replaces lists such as status.conditions whole). On 409 the object is read
+        again and the patch recomputed from it."""
+        for _ in range(attempts):
+            obj = current if current is not None else self.get(resource, namespace, name)
+            current = None
+            if obj is None:
+                return "unchanged"
+            patch = compute(obj)
+            if patch is None:
+                return "unchanged"
+            meta = {
+                **patch.get("metadata", {}),
+                "resourceVersion": obj["metadata"]["resourceVersion"],
+            }
+            try:
+                self.request(
+                    "PATCH",
+                    self.path(resource, namespace, name, sub),
+                    {**patch, "metadata": meta},
+                    content_type="application/merge-patch+json",
+                )
+                return "written"
+            except KubeApiError as exc:
+                if exc.status == 404:
+                    return "unchanged"
+                if exc.status != 409:
+                    raise
+        return "conflict"

@@ -9,8 +9,8 @@ from kube_harness import ISVC, isvc_with
 from kvfleet.operator import conditions as c
 from kvfleet.operator.autoscale_loop import AUTOSCALER_READY
 from kvfleet.operator.autoscale_loop import write_status as write_autoscaler_status
-from kvfleet.operator.handlers import ISVCS, OperatorConfig, write_status
-from kvfleet.operator.kube_api import KubeApi
+from kvfleet.operator.handlers import OperatorConfig, write_status
+from kvfleet.operator.kube_api import ISVCS, KubeApi
 
 NS = "default"
 
