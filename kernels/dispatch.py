@@ -1,5 +1,6 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
-(cpu_attention, cpu_cache, cpu_elementwise) where they take the inputs, else the torch reference.
+(cpu_attention, cpu_cache, cpu_elementwise) and oneDNN's prepacked bf16 GEMMs (cpu_linear) where
+they take the inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -10,7 +11,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvfleet.kernels import cpu_attention, cpu_cache, cpu_elementwise, reference
+import torch.nn.functional as F
+from kvfleet.kernels import cpu_attention, cpu_cache, cpu_elementwise, cpu_linear, reference
 from kvfleet.kernels.metadata import AttentionMetadata
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -73,6 +75,22 @@ def allocate_kv_cache(
         device,
         head_major=not use_triton(probe),
     )
+
+
+def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The form of a [out, in] projection weight that `linear` runs fastest: oneDNN's prepacked
+    layout for bf16 CPU weights (an opaque tensor; the plain one can then be freed), else the
+    weight itself. Call once, after the weights are loaded."""
+    if cpu_linear.supports(weight) and cpu_linear.available():
+        return cpu_linear.pack(weight)
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned."""
+    if weight.is_mkldnn:
+        return cpu_linear.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -89,6 +89,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.model, self.model_config, folder = load_model(config.model, self.dtype, self.device)
+        self.model.prepack()
         self.model_folder = folder  # None for random:* models
         self.tokenizer = load_tokenizer(folder if folder is not None else config.model)
         self._backend_tokenizer = self.tokenizer.backend_tokenizer

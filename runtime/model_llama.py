@@ -3,7 +3,8 @@ schedules, prefill chunks and decodes mixed, with K/V kept in the paged cache.
 
 Every op that touches the cache or has a fused kernel goes through `kvfleet.kernels.dispatch`,
 so the same code runs the torch reference on CPU and Triton on CUDA. Projections are fused
-(q/k/v in one matmul, gate/up in one) to halve the number of GEMM launches per layer.
+(q/k/v in one matmul, gate/up in one) to halve the number of GEMM launches per layer, and run
+through `dispatch.linear`, whose weights `LlamaModel.prepack` may swap for a faster layout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     # Uninitialised: weights are always loaded (or randomised) right after construction, and
     # the default nn.Linear init of a 1B model would cost seconds.
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# The projection weights of a layer: what `prepack` swaps for the kernels' fastest layout.
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _prepack(module: nn.Module, name: str) -> None:
+    """Replace parameter `name` with its prepacked form, a plain attribute (an opaque tensor is
+    no Parameter); the plain weight is freed unless something else holds it."""
+    weight = getattr(module, name)
+    packed = dispatch.prepack_linear_weight(weight)
+    if packed is not weight:
+        delattr(module, name)
+        setattr(module, name, packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -55,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
         x, residual = dispatch.rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = dispatch.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -64,9 +79,10 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         dispatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        hidden = dispatch.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         x, residual = dispatch.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        hidden = F.linear(dispatch.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        gate_up = dispatch.linear(x, self.gate_up_proj)
+        hidden = dispatch.linear(dispatch.silu_and_mul(gate_up), self.down_proj)
         return hidden, residual
 
 
@@ -98,6 +114,16 @@ class LlamaModel(nn.Module):
         )
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
 
+    def prepack(self) -> None:
+        """Swap every projection weight and the LM head for the layout `dispatch.linear` runs
+        fastest (on CPU in bfloat16: oneDNN's prepacked one; elsewhere nothing changes). Call
+        once, after loading: prepacked weights are no longer parameters. A tied LM head gets
+        its own packed copy, since the embedding lookup still needs the plain table."""
+        for layer in self.layers:
+            for name in PROJECTIONS:
+                _prepack(layer, name)
+        _prepack(self, "lm_head")
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -118,7 +144,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for N hidden states (the engine passes one per sequence)."""
-        return F.linear(hidden, self.lm_head).float()
+        return dispatch.linear(hidden, self.lm_head).float()
 
 
 def rope_cos_sin_cache(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:

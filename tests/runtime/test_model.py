@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvfleet.kernels import cpu_linear
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.loader import load_model
 from kvfleet.runtime.model_llama import LlamaModel
@@ -197,3 +198,26 @@ def test_bfloat16_forward_is_close_to_float32(tiny_llama_dir: Path) -> None:
                 ref[-1].max() - ref[-1][got[-1].argmax()] < 0.02 * ref[-1].abs().max()
             )
     assert run16.kv[0][0].dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not cpu_linear._ops_present(), reason="no oneDNN bf16 GEMM here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied; tied with q/k/v biases
+def test_prepacked_bfloat16_model_gives_the_same_logits(
+    arch: str, tiny_llama_dir: Path, tiny_qwen2_dir: Path, monkeypatch
+) -> None:
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+    folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    plain, cfg, _ = load_model(str(folder), torch.bfloat16, "cpu")
+    packed, _, _ = load_model(str(folder), torch.bfloat16, "cpu")
+    packed.prepack()
+    names = {name for name, _ in packed.named_parameters()}
+    # The packed weights replaced the parameters (their plain copies are freed); the
+    # embedding table stays, since token lookup reads it.
+    assert not any(n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")) for n in names)
+    assert "embed_tokens" in names and "lm_head" not in names
+    assert packed.layers[0].qkv_proj.is_mkldnn and packed.lm_head.is_mkldnn
+    a, b, c = prompts(cfg.vocab_size)
+    run_plain, run_packed = PagedRun(plain, 16), PagedRun(packed, 16)
+    for chunks in ([("a", a), ("c", c)], [("a", [5]), ("c", [6]), ("b", b)]):
+        for got, want in zip(run_packed.step(chunks), run_plain.step(chunks), strict=True):
+            assert torch.equal(got, want)

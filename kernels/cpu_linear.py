@@ -1,0 +1,58 @@
+"""bfloat16 linear layers on CPU with weights prepacked once into oneDNN's blocked layout.
+
+`F.linear` on a plain bf16 weight makes oneDNN reorder the whole weight into its blocked layout
+on every call. Our projections have a small inner dimension (576 for the bundled model), so that
+reorder costs as much as the multiply: prepacking each weight once at load time made the
+bundled model's projection GEMMs 1.3x faster at 32 rows and 2x at 2048 (measured on the 2-core
+AVX512-BF16 host, docs/benchmarks.md). Results are the same numbers: both paths run the same
+oneDNN bf16 kernel, packing only moves the weight's bytes.
+
+float32 and float16 gained nothing from packing here, so they keep the plain weight and
+`F.linear`. The packed ops are the ones PyTorch's own compiler uses for frozen CPU models
+(`torch.ops.mkldnn`); where a build lacks them, or `KVFLEET_CPU_KERNELS=0`, weights stay plain.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _ops_present() -> bool:
+    mkldnn = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+        and bool(mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def available() -> bool:
+    """Whether bf16 weights can be prepacked on this machine and build."""
+    return os.environ.get("KVFLEET_CPU_KERNELS", "1") != "0" and _ops_present()
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether `pack` takes this weight: a 2-D bfloat16 CPU tensor, [out_features, in_features]."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout: an opaque tensor only `linear` below can read."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the weight `packed` came from; x is [..., in_features]."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # no copy for the model's own activations
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,62 @@
+"""Prepacked bf16 projections (kernels/cpu_linear.py) give F.linear's numbers, and dispatch
+packs exactly the weights that gain from it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvfleet.kernels import cpu_linear, dispatch
+
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear._ops_present(), reason="this torch build or CPU has no oneDNN bf16 GEMM"
+)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_enabled(monkeypatch):
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+
+
+# Rows as a step sees them: one decode, an odd batch, a full decode batch, a prefill chunk.
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_gives_f_linear_numbers(rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(BF16)
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(BF16)
+    b = torch.randn(out_features, generator=gen).to(BF16) if with_bias else None
+    packed = dispatch.prepack_linear_weight(w)
+    assert packed.is_mkldnn
+    got = dispatch.linear(x, packed, b)
+    assert got.dtype == BF16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=0)
+
+
+def test_packed_linear_takes_strided_and_batched_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=gen).to(BF16)
+    packed = dispatch.prepack_linear_weight(w)
+    wide = torch.randn(5, 128, generator=gen).to(BF16)
+    strided = wide[:, ::2]  # every other column: not contiguous
+    torch.testing.assert_close(dispatch.linear(strided, packed), F.linear(strided, w))
+    batched = torch.randn(2, 3, 64, generator=gen).to(BF16)
+    got = dispatch.linear(batched, packed)
+    assert got.shape == (2, 3, 48)
+    torch.testing.assert_close(got, F.linear(batched, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_dtypes_keep_the_plain_weight(dtype):
+    # Packing made no float32 or float16 GEMM faster here; float32 keeps HF parity exact.
+    w = torch.randn(8, 16, dtype=dtype)
+    assert dispatch.prepack_linear_weight(w) is w
+
+
+def test_disabled_kernels_keep_the_plain_weight(monkeypatch):
+    monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
+    w = torch.randn(8, 16).to(BF16)
+    assert dispatch.prepack_linear_weight(w) is w
+    x = torch.randn(3, 16).to(BF16)
+    assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
