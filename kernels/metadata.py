@@ -8,7 +8,7 @@ device-to-host sync.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,10 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Step scratch for the CPU path: the additive mask of each prefill over cached context, by
+    # sequence index. The first layer builds it and the others reuse it (building it per layer,
+    # and SDPA's bool-to-float conversion, cost a quarter of such a prefill's attention time).
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

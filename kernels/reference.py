@@ -114,6 +114,18 @@ def decode_attention(
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+def context_mask(
+    q_len: int, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive mask [q_len, seq_len] (0 where allowed, -inf elsewhere) for queries at the last
+    q_len of seq_len positions: query i sits at position seq_len - q_len + i and sees keys up to
+    it. Additive in the attention dtype, which SDPA takes as is (a bool mask it converts)."""
+    rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    cols = torch.arange(seq_len, device=device)[None, :]
+    mask = torch.zeros(q_len, seq_len, dtype=dtype, device=device)
+    return mask.masked_fill_(cols > rows, float("-inf"))
+
+
 def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -121,30 +133,26 @@ def prefill_attention(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for one sequence's query tokens ([q, heads, D]), the last q of its
     `seq_len` context tokens, whose earlier part may already be cached (chunked prefill,
-    prefix hits)."""
+    prefix hits). `mask`: `context_mask` for these lengths, if the caller keeps one."""
     q_len, num_heads = query.shape[:2]
     num_kv_heads = k_cache.shape[2]
     k = _gather_context(k_cache, block_table, seq_len).transpose(0, 1)  # [kvh, ctx, D]
     v = _gather_context(v_cache, block_table, seq_len).transpose(0, 1)
     q = query.transpose(0, 1).to(k.dtype)  # [heads, q, D]
-    offset = seq_len - q_len
-    allowed = None
-    if offset:
-        # Query i sits at position offset + i and sees keys 0..offset + i.
-        rows = torch.arange(q_len, device=query.device)[:, None] + offset
-        cols = torch.arange(seq_len, device=query.device)[None, :]
-        allowed = cols <= rows
+    if seq_len > q_len and mask is None:
+        mask = context_mask(q_len, seq_len, k.dtype, query.device)
     # Without cached context the mask is plain causal: is_causal lets the fused kernel skip the
     # upper triangle (2x faster on a 2048-token prompt than the same mask passed as a tensor).
     out = torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
-        attn_mask=allowed,
-        is_causal=allowed is None,
+        attn_mask=mask if seq_len > q_len else None,
+        is_causal=seq_len == q_len,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
@@ -177,14 +185,21 @@ def paged_attention(
         )
     start = nd
     for i in range(nd, meta.num_seqs):
-        q_len = meta.query_lens_host[i]
+        q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
+        mask = None
+        if seq_len > q_len:
+            mask = meta.prefill_masks.get(i)
+            if mask is None:
+                mask = context_mask(q_len, seq_len, k_cache.dtype, query.device)
+                meta.prefill_masks[i] = mask
         out[start : start + q_len] = prefill_attention(
             query[start : start + q_len],
             k_cache,
             v_cache,
             meta.block_tables[i],
-            meta.seq_lens_host[i],
+            seq_len,
             scale,
+            mask,
         )
         start += q_len
     return out

@@ -37,6 +37,32 @@ def test_paged_attention_equals_dense_softmax(
         start += q
 
 
+def test_one_steps_context_masks_serve_every_layer():
+    # Sequence 0 decodes, 1 is a prefill with no cached context (plain causal, no mask), 2 and 3
+    # are chunks after cached tokens: their masks are built by the first layer, then reused.
+    gen = torch.Generator().manual_seed(7)
+    lens, q_lens = [12, 9, 30, 21], [1, 9, 6, 20]
+    case = paged_case(gen, lens, 8, 2, 64, torch.float32)
+    meta = attention_metadata(case, q_lens, 1, 8)
+    for layer in range(2):  # each layer has its own cache contents, the step's metadata is shared
+        k_cache = torch.randn(case.k_cache.shape, generator=gen)
+        v_cache = torch.randn(case.v_cache.shape, generator=gen)
+        query = torch.randn((sum(q_lens), 4, 64), generator=gen)
+        got = reference.paged_attention(query, k_cache, v_cache, meta, 0.125)
+        if layer == 0:
+            first_masks = dict(meta.prefill_masks)
+        start = 0
+        for i, (n, q) in enumerate(zip(lens, q_lens, strict=True)):
+            k = contiguous_context(k_cache, case.block_tables[i], n)
+            v = contiguous_context(v_cache, case.block_tables[i], n)
+            want = dense_attention(query[start : start + q], k, v, 0.125)
+            torch.testing.assert_close(got[start : start + q].double(), want, atol=1e-5, rtol=1e-5)
+            start += q
+    assert sorted(meta.prefill_masks) == [2, 3]
+    assert all(meta.prefill_masks[i] is first_masks[i] for i in (2, 3))
+    assert meta.prefill_masks[3].shape == (20, 21)
+
+
 def test_reshape_and_cache_places_token_at_block_and_offset():
     k_cache = torch.zeros(4, 8, 2, 4)
     v_cache = torch.zeros(4, 8, 2, 4)
