@@ -286,6 +286,7 @@ def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list
         "warning",
     ]
     for flag, value in (
+        ("--tokenizer", args.tokenizer),
         ("--max-model-len", args.max_model_len),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--num-threads", args.num_threads),
@@ -353,9 +354,10 @@ async def _run_spawned(
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet.runtime.loader import load_tokenizer, resolve_model
+    from kvfleet.runtime.loader import load_tokenizer, resolve_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model(args.model))
+    # The prompts are token ids: they must come from the tokenizer the server will use.
+    tokenizer = load_tokenizer(resolve_tokenizer(args.tokenizer) if args.tokenizer else args.model)
     workload = build_workload(args, tokenizer)
     result: dict[str, Any] = {"num_prompts": args.num_prompts, "workload_seed": args.workload_seed}
     runs: dict[str, RunResult] = {}  # label → run, for --plot

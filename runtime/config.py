@@ -52,6 +52,7 @@ class EngineConfig:
     """Everything that shapes the engine. Defaults suit the bundled model on a laptop CPU."""
 
     model: str = "bundled"
+    tokenizer: str | None = None  # None: the model's own (random:* models: the bundled one)
     dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU runs it fast, else float32
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
@@ -101,6 +102,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=d.model,
         help="Hugging Face folder, a .gguf file, or 'bundled' (SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer to use instead of the model's: a folder with tokenizer files, a .gguf "
+        "file or 'bundled' (default: the model's own)",
     )
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")

@@ -79,7 +79,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
-        from kvfleet.runtime.loader import load_model, load_tokenizer
+        from kvfleet.runtime.loader import load_model, load_tokenizer, resolve_tokenizer
 
         self.config = config
         self.observer = observer
@@ -88,13 +88,21 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
+        # A wrong --tokenizer fails here, before seconds of weight loading.
+        tokenizer_folder = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
         self.model, self.model_config, folder = load_model(config.model, self.dtype, self.device)
         self.model.prepack()
         self.model_folder = folder  # None for random:* models
-        self.tokenizer = load_tokenizer(folder if folder is not None else config.model)
+        self.tokenizer = load_tokenizer(tokenizer_folder or folder or config.model)
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         mc = self.model_config
 
+        if len(self.tokenizer) > mc.vocab_size:
+            # Its ids past the embedding table would crash the first forward that meets them.
+            raise ConfigError(
+                f"tokenizer: has {len(self.tokenizer)} tokens, more than the model's vocab_size "
+                f"{mc.vocab_size}"
+            )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ConfigError(

