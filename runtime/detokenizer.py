@@ -19,6 +19,7 @@ class IncrementalDetokenizer:
     tokenizer: Any  # tokenizers.Tokenizer (the fast backend)
     stop: list[str]
     skip_special_tokens: bool = True
+    include_stop_str: bool = False  # cut after a matched stop string rather than before it
     text: str = ""
     _stream: DecodeStream = field(init=False)
     _max_stop_len: int = field(init=False)
@@ -29,7 +30,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int, check_stop: bool) -> str | None:
         """Append one token's text; return the stop string it completed, if any (the text is
-        then cut just before it)."""
+        then cut just before it, or just after it with `include_stop_str`)."""
         piece = self._stream.step(self.tokenizer, token_id)
         if not piece:
             return None
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
                 best = (idx, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        self.text = self.text[: best[0] + (len(best[1]) if self.include_stop_str else 0)]
         return best[1]
 
     def visible_text(self, finished: bool) -> str:

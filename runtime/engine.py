@@ -162,14 +162,42 @@ class LLMEngine:
 
         return served_model_name(self.config)
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt. By default with the tokenizer's special tokens (the BOS
+        of Llama 2/3 or Mistral), as transformers and vLLM encode a completion prompt; a
+        rendered chat template already holds them, so it is encoded without."""
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The conversation rendered by the model's chat template. With
+        `continue_final_message` the last (assistant) message is left open for the reply to
+        extend; `template_kwargs` are extra template variables (e.g. enable_thinking)."""
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
-        return self.encode(text)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """`render_chat`'s text as token ids (no special tokens added: the template has them)."""
+        text = self.render_chat(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return self.encode(text, add_special_tokens=False)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the engine's limits; return its resolved max_tokens."""
@@ -237,7 +265,10 @@ class LLMEngine:
             )
             children.append(r)
             self._detok[rid] = IncrementalDetokenizer(
-                self._backend_tokenizer, params.stop, params.skip_special_tokens
+                self._backend_tokenizer,
+                params.stop,
+                params.skip_special_tokens,
+                params.include_stop_str_in_output,
             )
         self._groups[request_id] = children
         self._prompts[request_id] = text

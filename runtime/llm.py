@@ -50,11 +50,24 @@ class LLM:
         self,
         messages: Messages | Sequence[Messages],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Replies to one conversation or several, through the model's chat template."""
+        """Replies to one conversation or several, through the model's chat template.
+        `continue_final_message` (with add_generation_prompt=False) extends the last, assistant
+        message instead of starting a new one; `chat_template_kwargs` are template variables."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # type: ignore[list-item]
-        prompts = [self.engine.apply_chat_template(list(m)) for m in messages]  # type: ignore[arg-type]
+        prompts = [
+            self.engine.apply_chat_template(
+                list(m),  # type: ignore[arg-type]
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+            )
+            for m in messages
+        ]
         return self._run(prompts, _broadcast(params, len(prompts)))
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:

@@ -77,12 +77,22 @@ class CompletionRequest:
 
 
 @dataclass(slots=True)
+class ChatTemplateOptions:
+    """How the conversation is rendered (vLLM's extra chat fields)."""
+
+    add_generation_prompt: bool = True  # open an assistant turn for the reply
+    continue_final_message: bool = False  # leave the last (assistant) message open, extend it
+    kwargs: dict[str, Any] = field(default_factory=dict)  # variables for the template
+
+
+@dataclass(slots=True)
 class ChatRequest:
     model: str | None
     messages: list[dict[str, str]]
     params: SamplingParams
     stream: bool
     include_usage: bool
+    template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
 
 
 # --- field access ----------------------------------------------------------------------------
@@ -253,6 +263,7 @@ def _sampling_params(
             min_tokens=_get(body, "min_tokens", int, 0),
             stop=_stop(body),
             stop_token_ids=_int_list(body, "stop_token_ids"),
+            include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
             ignore_eos=_get(body, "ignore_eos", bool, False),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -347,7 +358,105 @@ def parse_chat_request(body: Any) -> ChatRequest:
         params=_sampling_params(body, max_tokens, logprobs),
         stream=stream,
         include_usage=_stream_options(body, stream),
+        template=_chat_template_options(body, messages),
     )
+
+
+# apply_chat_template's own arguments: a template variable of one of these names would change
+# how the template is applied, not what it renders, so chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _chat_template_options(
+    body: dict[str, Any], messages: list[dict[str, str]]
+) -> ChatTemplateOptions:
+    add_generation_prompt = _get(body, "add_generation_prompt", bool, True)
+    continue_final = _get(body, "continue_final_message", bool, False)
+    if continue_final and add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message: cannot be true while add_generation_prompt is true (the "
+            "default); set add_generation_prompt to false to extend the last message",
+            param="continue_final_message",
+        )
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise APIError(
+            400,
+            f"continue_final_message: the last message must be the assistant's, got role "
+            f"{messages[-1]['role']!r}",
+            param="continue_final_message",
+        )
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    for key in kwargs:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            raise APIError(
+                400,
+                f"chat_template_kwargs: {key[:40]!r} cannot be a template variable (names must "
+                f"be identifiers other than apply_chat_template's own arguments)",
+                param="chat_template_kwargs",
+            )
+    return ChatTemplateOptions(add_generation_prompt, continue_final, dict(kwargs))
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """/tokenize (vLLM's): a text prompt, or a conversation rendered by the chat template."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    template: ChatTemplateOptions
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    """Validate a /tokenize body: exactly one of `prompt` (a string) and `messages`."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise APIError(
+            400, "prompt: give either prompt or messages, not both or neither", param="prompt"
+        )
+    messages = _messages(body["messages"]) if has_messages else None
+    return TokenizeRequest(
+        model=_model(body),
+        prompt=_get(body, "prompt", str),
+        messages=messages,
+        template=_chat_template_options(body, messages) if messages else ChatTemplateOptions(),
+        # As in vLLM: a text prompt gets the tokenizer's special tokens (what /v1/completions
+        # encodes), a rendered conversation none (its template writes them).
+        add_special_tokens=_get(body, "add_special_tokens", bool, not has_messages),
+        return_token_strs=_get(body, "return_token_strs", bool, False),
+    )
+
+
+def parse_detokenize_request(body: Any) -> tuple[str | None, list[int]]:
+    """Validate a /detokenize body: (model, token ids)."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    if body.get("tokens") is None:
+        raise APIError(400, "tokens: is required", param="tokens")
+    return _model(body), _int_list(body, "tokens")
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:

@@ -37,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the text's end
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per sampled token (0 = only the sampled one)
     # Log-probability of every prompt token after the first, with top-N alternatives.

@@ -77,6 +77,8 @@ class OpenAIServer:
         app.router.add_get(contract.MODELS_PATH, self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -175,17 +177,44 @@ class OpenAIServer:
         req = proto.parse_chat_request(body)
         self._admit(req.model, 1)
         engine = self._engine()
-        try:
-            prompt = engine.apply_chat_template(req.messages)
-        except Exception as exc:  # a template that rejects the conversation (e.g. role order)
-            raise APIError(
-                400, f"messages: the chat template rejected them: {exc}", param="messages"
-            ) from exc
+        prompt = engine.encode(_render_chat(engine, req.messages, req.template), False)
         self._validate([prompt], req.params)
         with self._track():
             if req.stream:
                 return await self._stream_chat(request, req, prompt)
             return await self._full_chat(req, prompt)
+
+    # --- tokenizer (vLLM's extra endpoints: count tokens, see ids, without generating) --------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = proto.parse_tokenize_request(await self._json(request))
+        self._check_model(req.model)
+        engine = self._engine()
+        if req.messages is not None:
+            text = _render_chat(engine, req.messages, req.template)
+        else:
+            text = req.prompt or ""
+        ids = engine.encode(text, req.add_special_tokens)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return web.json_response(
+            {
+                "count": len(ids),
+                "max_model_len": engine.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        model, tokens = proto.parse_detokenize_request(await self._json(request))
+        self._check_model(model)
+        engine = self._engine()
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}", param="tokens"
+            )
+        return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
 
     # --- admission ---------------------------------------------------------------------------
     async def _json(self, request: web.Request) -> Any:
@@ -221,14 +250,7 @@ class OpenAIServer:
             raise _unavailable("the server is shutting down; retry on another replica")
         if not self.ready:
             raise _unavailable("the model is still loading")
-        if model is not None and model != self.settings.model_name:
-            raise APIError(
-                404,
-                f"model: {model!r} is not served here; this server serves "
-                f"{self.settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        self._check_model(model)
         pending = self.engine.num_pending
         limit = self.settings.max_waiting_requests
         if pending + num_requests > limit:
@@ -236,6 +258,16 @@ class OpenAIServer:
                 f"{pending} requests are already waiting (--max-waiting-requests {limit}); "
                 f"retry after {RETRY_AFTER_S} s",
                 code="queue_full",
+            )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"model: {model!r} is not served here; this server serves "
+                f"{self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
             )
 
     def _engine(self) -> Any:
@@ -553,6 +585,19 @@ def _chat_choice(
     index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _render_chat(
+    engine: Any, messages: list[dict[str, str]], opts: proto.ChatTemplateOptions
+) -> str:
+    try:
+        return engine.render_chat(
+            messages, opts.add_generation_prompt, opts.continue_final_message, opts.kwargs
+        )
+    except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+        raise APIError(
+            400, f"messages: the chat template rejected them: {exc}", param="messages"
+        ) from exc
 
 
 def _unavailable(message: str, code: str = "unavailable") -> APIError:

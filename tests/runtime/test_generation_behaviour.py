@@ -213,3 +213,46 @@ def test_cli_generate_prints_the_completion_and_reports_bad_input(tiny_llama_dir
     )
     assert bad.returncode == 2
     assert "top_p" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_chat_template_variables_reach_the_template():
+    llm = LLM("random:tiny", kv_cache_memory="64MiB")
+    llm.engine.tokenizer.chat_template = (
+        "{{ greeting | default('none') }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hello"}]
+    decode = llm.engine.tokenizer.decode
+    assert decode(llm.engine.apply_chat_template(messages)) == "none:hello"
+    got = llm.engine.apply_chat_template(messages, template_kwargs={"greeting": "Bonjour"})
+    assert decode(got) == "Bonjour:hello"
+
+
+def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_only_the_templates(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    # A Llama-3-style tokenizer that prepends BOS: a completion prompt must start with it, as
+    # transformers and vLLM encode it, while a chat prompt (whose template writes BOS itself)
+    # must not get a second one.
+    import json
+    import shutil
+
+    folder = tmp_path / "bos-model"
+    shutil.copytree(tiny_llama_dir, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = "<|im_start|>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    llm = LLM(str(folder), dtype="float32", max_model_len=128)
+    assert llm.tokenizer("hi").input_ids[0] == 1  # the tokenizer really adds it
+    out = llm.generate("hi", SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids == llm.tokenizer("hi").input_ids
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))[0]
+    assert chat.prompt_token_ids[0] == 1 and chat.prompt_token_ids[1] != 1

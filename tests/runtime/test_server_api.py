@@ -100,6 +100,11 @@ def test_stop_string_cuts_the_text_before_it(tiny_client, model):
     streamed = list(tiny_client.completions.create(**args, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == want
     assert streamed[-1].choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output keeps the matched stop string, streaming or not.
+    keep = {"stop": [stop], "extra_body": {"include_stop_str_in_output": True}}
+    assert tiny_client.completions.create(**args, **keep).choices[0].text == want + stop
+    streamed = list(tiny_client.completions.create(**args, **keep, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want + stop
 
 
 def test_seed_makes_sampling_repeatable(tiny_client, model):

@@ -73,3 +73,17 @@ def test_streamed_chat_answers_paris_and_stops_on_its_own(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert "Paris" in text
     assert chunks[-1].choices[0].finish_reason == "stop"  # end-of-turn, not the token limit
+
+
+def test_continue_final_message_extends_the_assistants_answer(client):
+    # vLLM's extra chat fields: the reply continues the assistant's last message rather than
+    # starting a new turn, e.g. to prefill the first words of an answer.
+    r = client.chat.completions.create(
+        model=BUNDLED_NAME,
+        messages=[*QUESTION, {"role": "assistant", "content": "The capital of France is"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    text = r.choices[0].message.content
+    assert "Paris" in text and not text.lstrip().startswith("The capital")

@@ -77,6 +77,10 @@ def test_api_key_is_required_on_the_api_only(server, model):
         assert request(server.port, "GET", path, headers=AUTH).status == 200
     body = {"model": model, "prompt": "hi", "max_tokens": 1}
     assert_error(request(server.port, "POST", "/v1/completions", body), 401)
+    # The tokenizer endpoints reveal the model's tokenizer: they are behind the key too.
+    assert_error(request(server.port, "POST", "/tokenize", {"prompt": "hi"}), 401)
+    assert_error(request(server.port, "POST", "/detokenize", {"tokens": [1]}), 401)
+    assert request(server.port, "POST", "/tokenize", {"prompt": "hi"}, headers=AUTH).status == 200
     for path in (contract.HEALTH_PATH, contract.METRICS_PATH, contract.VERSION_PATH):
         assert request(server.port, "GET", path).status == 200
     client = openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0)

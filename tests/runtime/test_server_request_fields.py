@@ -161,3 +161,51 @@ def test_harmless_and_no_op_fields_are_accepted(tiny_server, model, path):
     r = request(tiny_server.port, "POST", path, body(path, model, **fields))
     assert r.status == 200, r.body
     assert len(r.json()["choices"]) == 2
+
+
+@pytest.mark.parametrize(
+    "extra,param,message",
+    [
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
+            "last message must be the assistant's, got role 'user'",
+        ),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "'tokenize'"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs", "must be an object"),
+        ({"add_generation_prompt": "yes"}, "add_generation_prompt", "must be a boolean"),
+    ],
+)
+def test_bad_chat_template_options_are_400s_naming_the_field(
+    tiny_server, model, extra, param, message
+):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = request(tiny_server.port, "POST", CHAT, body)
+    assert r.status == 400
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"]
+
+
+def test_template_variables_and_no_generation_prompt_shape_the_prompt(tiny_client, model, offline):
+    messages = [{"role": "user", "content": "hi"}]
+    tok = offline.tokenizer
+
+    def prompt_tokens(**extra: Any) -> int:
+        r = tiny_client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1, extra_body=extra
+        )
+        return r.usage.prompt_tokens
+
+    def rendered(add_generation_prompt: bool) -> list[int]:
+        text = tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return tok.encode(text, add_special_tokens=False)
+
+    with_prompt, without = rendered(True), rendered(False)
+    assert len(with_prompt) > len(without)
+    assert prompt_tokens() == len(with_prompt)
+    assert prompt_tokens(add_generation_prompt=False) == len(without)
+    # Variables the template does not use (Qwen3's enable_thinking here) are accepted.
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == len(with_prompt)
