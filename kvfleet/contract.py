@@ -31,6 +31,12 @@ TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
 E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"  # histogram
 REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"  # histogram
+# Per finished request (vLLM's request-level histograms; dashboards chart their heatmaps).
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"  # histogram
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"  # histogram
+REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled → first token
+REQUEST_DECODE_TIME = "vllm:request_decode_time_seconds"  # first token → last token
+REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"  # first scheduled → last token
 
 COUNTERS = (
     PROMPT_TOKENS,
@@ -41,7 +47,17 @@ COUNTERS = (
     PREFIX_CACHE_HITS,
 )
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
-HISTOGRAMS = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME)
+HISTOGRAMS = (
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY,
+    REQUEST_QUEUE_TIME,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_PREFILL_TIME,
+    REQUEST_DECODE_TIME,
+    REQUEST_INFERENCE_TIME,
+)
 
 
 def exposed_names() -> set[str]:

@@ -92,6 +92,9 @@ REQUEST_BUCKETS = (
     7680.0,
 )
 
+# Token counts per request: 1-2-5 steps (vLLM's scheme) up to a million tokens of context.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -124,6 +127,29 @@ class RuntimeMetrics:
             "Time a request waited before it was first scheduled.",
             REQUEST_BUCKETS,
         )
+        self._prompt_tokens = histogram(
+            contract.REQUEST_PROMPT_TOKENS, "Prompt tokens of a finished request.", TOKEN_BUCKETS
+        )
+        self._generation_tokens = histogram(
+            contract.REQUEST_GENERATION_TOKENS,
+            "Tokens generated for a finished request.",
+            TOKEN_BUCKETS,
+        )
+        self._prefill = histogram(
+            contract.REQUEST_PREFILL_TIME,
+            "Time from a request's first scheduling to its first token.",
+            REQUEST_BUCKETS,
+        )
+        self._decode = histogram(
+            contract.REQUEST_DECODE_TIME,
+            "Time from a request's first token to its last.",
+            REQUEST_BUCKETS,
+        )
+        self._inference = histogram(
+            contract.REQUEST_INFERENCE_TIME,
+            "Time from a request's first scheduling to its last token.",
+            REQUEST_BUCKETS,
+        )
         self.registry.register(_EngineCollector(model_name, stats))
 
     # --- EngineObserver (called from the engine thread) --------------------------------------
@@ -139,8 +165,19 @@ class RuntimeMetrics:
     def on_finished(self, request: Request, now: float) -> None:
         # Aborted requests are counted by reason but left out of the latency histogram: a
         # client hanging up says nothing about how fast the server is.
-        if request.finish_reason != "abort":
-            self._e2e.observe(max(now - request.arrival_time, 0.0))
+        if request.finish_reason == "abort":
+            return
+        self._e2e.observe(max(now - request.arrival_time, 0.0))
+        self._prompt_tokens.observe(request.num_prompt_tokens)
+        self._generation_tokens.observe(request.num_output_tokens)
+        if request.first_scheduled_time is not None:
+            self._inference.observe(max(now - request.first_scheduled_time, 0.0))
+            if request.first_token_time is not None:
+                self._prefill.observe(
+                    max(request.first_token_time - request.first_scheduled_time, 0.0)
+                )
+        if request.first_token_time is not None:
+            self._decode.observe(max(now - request.first_token_time, 0.0))
 
     def exposition(self) -> bytes:
         """The text format served on /metrics."""

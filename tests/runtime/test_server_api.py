@@ -244,6 +244,17 @@ def test_metrics_are_pinned_and_token_counters_match_usage(tiny_server, tiny_cli
     assert delta("vllm:time_to_first_token_seconds_count") == 4
     assert delta("vllm:inter_token_latency_seconds_count") == 4 * 8
     assert delta("vllm:prefix_cache_queries_total") >= r.usage.prompt_tokens
+    # Request-level histograms: one observation per finished request, sums matching usage.
+    assert delta("vllm:request_prompt_tokens_count") == 4
+    assert delta("vllm:request_prompt_tokens_sum") == 2 * r.usage.prompt_tokens  # n=2
+    assert delta("vllm:request_generation_tokens_sum") == r.usage.completion_tokens
+    assert delta("vllm:request_generation_tokens_bucket", le="10.0") == 4  # 9 tokens each
+    assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 0
+    for name in ("prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{name}_time_seconds_count") == 4
+    assert delta("vllm:request_decode_time_seconds_sum") < delta(
+        "vllm:request_inference_time_seconds_sum"
+    )
 
 
 def test_disconnect_mid_stream_frees_the_kv_cache(tiny_server, model):
