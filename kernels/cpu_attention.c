@@ -9,7 +9,8 @@
  *
  * Layout (see kernels/reference.py, allocate_kv_cache(head_major=True)):
  *   k_cache, v_cache  [num_kv_heads, num_blocks, block_size, head_dim], contiguous,
- *                     float32 or bfloat16 (bf16 stored as uint16: the top half of a float32)
+ *                     float32 or bfloat16 (bf16 stored as uint16: the top half of a float32),
+ *                     or fp8 e4m3fn / e5m2 (one byte each, widened to float32 per block)
  *   query, out        [num_seqs, num_heads, head_dim] float32, contiguous
  *   block_tables      int32, row s at block_tables + s * table_stride
  *   seq_lens          int32 [num_seqs]
@@ -36,7 +37,44 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
 
-enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2, DTYPE_FP8_E5M2 = 3 };
+
+static size_t dtype_size(int dtype) {
+    return dtype == DTYPE_FLOAT32 ? 4 : dtype == DTYPE_BFLOAT16 ? 2 : 1;
+}
+
+/* n fp8 values → float32. With AVX-512, through IEEE half precision: e5m2 is a half's top
+ * byte; e4m3fn's exponent and mantissa bits, moved into a half's fields as they stand, are read
+ * with the half's exponent bias (15) instead of 7, and one multiply by 2^8 corrects it, for
+ * subnormals too (they land on half subnormals, which vcvtph2ps converts exactly at full speed;
+ * the same trick through float32's fields hit float32 subnormals, whose microcode assists made
+ * the kernel 3x slower, and a 256-entry table lookup was as slow). NaN/inf encodings come out
+ * as large finite numbers: writes saturate, so the cache never holds them. n is a multiple of
+ * 16 (head_dim is). */
+static void widen_fp8(float *restrict dst, const uint8_t *restrict src, int n, int dtype) {
+    const int e4m3 = dtype == DTYPE_FP8_E4M3;
+#ifdef __AVX512F__
+    const __m256i sign = _mm256_set1_epi16((short)0x8000), low7 = _mm256_set1_epi16(0x7F);
+    const __m512 rebias = _mm512_set1_ps(e4m3 ? 256.0f : 1.0f);
+    for (int i = 0; i < n; i += 16) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+        const __m256i h =
+            e4m3 ? _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 8), sign),
+                                   _mm256_slli_epi16(_mm256_and_si256(x, low7), 7))
+                 : _mm256_slli_epi16(x, 8);
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(h), rebias));
+    }
+#else
+    for (int i = 0; i < n; i++) { /* the formats' definitions, one value at a time */
+        const int x = src[i];
+        const int e = e4m3 ? (x >> 3) & 0xF : (x >> 2) & 0x1F, m = e4m3 ? x & 7 : x & 3;
+        const int bias = e4m3 ? 7 : 15, mbits = e4m3 ? 3 : 2;
+        const float mag = e ? ldexpf(1.0f + (float)m / (float)(1 << mbits), e - bias)
+                            : ldexpf((float)m, 1 - bias - mbits);
+        dst[i] = (x & 0x80) ? -mag : mag;
+    }
+#endif
+}
 
 enum {
     OK = 0,
@@ -185,8 +223,8 @@ static inline void accumulate_pv(float *restrict acc, float corr, const float *r
 typedef struct {
     float *q;      /* [group, D]  the group's queries, pre-multiplied by scale */
     float *acc;    /* [group, D]  unnormalised output */
-    float *kf;     /* [block_size, D]  one K block widened to float32 (bf16 caches only) */
-    float *vf;     /* [block_size, D]  one V block widened to float32 (bf16 caches only) */
+    float *kf;     /* [block_size, D]  one K block widened to float32 (bf16, fp8 caches) */
+    float *vf;     /* [block_size, D]  one V block widened to float32 (bf16, fp8 caches) */
     float *score;  /* [block_size]  one head's scores, then probabilities, for one block */
     float *m;      /* [group]  running max of the scores */
     float *l;      /* [group, block_size]  running sums of exp(score - m), one per block slot */
@@ -221,7 +259,7 @@ static void attend_group(Scratch *s, const float *query, float *out, const void 
                          float scale) {
     const int D = head_dim;
     const size_t block_elems = (size_t)block_size * D;
-    const size_t block_bytes = block_elems * (dtype == DTYPE_BFLOAT16 ? 2 : 4);
+    const size_t block_bytes = block_elems * dtype_size(dtype);
 
     for (int g = 0; g < group; g++) {
         for (int i = 0; i < D; i++) s->q[g * D + i] = query[(size_t)g * D + i] * scale;
@@ -247,6 +285,11 @@ static void attend_group(Scratch *s, const float *query, float *out, const void 
         if (dtype == DTYPE_BFLOAT16) {
             widen_bf16(s->kf, (const uint16_t *)k_cache + offset, n * D);
             widen_bf16(s->vf, (const uint16_t *)v_cache + offset, n * D);
+            k = s->kf;
+            v = s->vf;
+        } else if (dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2) {
+            widen_fp8(s->kf, (const uint8_t *)k_cache + offset, n * D, dtype);
+            widen_fp8(s->vf, (const uint8_t *)v_cache + offset, n * D, dtype);
             k = s->kf;
             v = s->vf;
         } else {
@@ -504,7 +547,7 @@ int kvfleet_decode_attention(const float *query, float *out, const void *k_cache
                              int64_t num_blocks, float scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
         head_dim % LANES != 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 ||
-        block_size > MAX_BLOCK_SIZE || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
+        block_size > MAX_BLOCK_SIZE || dtype < DTYPE_FLOAT32 || dtype > DTYPE_FP8_E5M2)
         return ERR_SHAPE;
     const int group = num_heads / num_kv_heads;
     const int tasks = num_seqs * num_kv_heads;

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from kvfleet.kernels import cpu_library, reference
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C file's DTYPE_* codes
+# The C file's DTYPE_* codes.
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE = 256, 16, 256
 _ERRORS = {1: "unsupported shape or dtype", 2: "out of memory for per-thread scratch"}
 

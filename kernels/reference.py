@@ -17,6 +17,29 @@ from collections.abc import Callable
 import torch
 from kvfleet.kernels.metadata import AttentionMetadata
 
+# fp8 KV caches (--kv-cache-dtype fp8): the largest finite value of each format. Writes
+# saturate to it, as vLLM's fp8 cache writes do, rather than overflow to NaN; reads widen to
+# the attention's dtype. No scale factor: vLLM's default without calibration is 1.0 too.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; into fp8 with saturation (a plain cast turns overflow into NaN)."""
+    if is_fp8(dtype) and x.dtype != dtype:
+        limit = FP8_MAX[dtype]
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def attention_dtype(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in: the cache's, except that fp8 caches are widened to the
+    query's (the model's) dtype."""
+    return query_dtype if is_fp8(cache_dtype) else cache_dtype
+
 
 def allocate_kv_cache(
     num_blocks: int,
@@ -60,8 +83,8 @@ def reshape_and_cache(
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(key, k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(value, v_cache.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -104,7 +127,9 @@ def decode_attention(
     else:
         k = k_cache[table].flatten(1, 2).permute(2, 0, 1, 3)
         v = v_cache[table].flatten(1, 2).permute(2, 0, 1, 3)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(k.dtype)
+    dtype = attention_dtype(k_cache.dtype, query.dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [kvh, seqs, group, ctx]
     ctx = torch.arange(k.shape[2], device=query.device)
     mask = ctx[None, :] >= seq_lens[:, None].to(ctx.dtype)  # [seqs, ctx]
@@ -140,9 +165,10 @@ def prefill_attention(
     prefix hits). `mask`: `context_mask` for these lengths, if the caller keeps one."""
     q_len, num_heads = query.shape[:2]
     num_kv_heads = k_cache.shape[2]
-    k = _gather_context(k_cache, block_table, seq_len).transpose(0, 1)  # [kvh, ctx, D]
-    v = _gather_context(v_cache, block_table, seq_len).transpose(0, 1)
-    q = query.transpose(0, 1).to(k.dtype)  # [heads, q, D]
+    dtype = attention_dtype(k_cache.dtype, query.dtype)
+    k = _gather_context(k_cache, block_table, seq_len).transpose(0, 1).to(dtype)  # [kvh, ctx, D]
+    v = _gather_context(v_cache, block_table, seq_len).transpose(0, 1).to(dtype)
+    q = query.transpose(0, 1).to(dtype)  # [heads, q, D]
     if seq_len > q_len and mask is None:
         mask = context_mask(q_len, seq_len, k.dtype, query.device)
     # Without cached context the mask is plain causal: is_causal lets the fused kernel skip the
@@ -190,7 +216,8 @@ def paged_attention(
         if seq_len > q_len:
             mask = meta.prefill_masks.get(i)
             if mask is None:
-                mask = context_mask(q_len, seq_len, k_cache.dtype, query.device)
+                dtype = attention_dtype(k_cache.dtype, query.dtype)
+                mask = context_mask(q_len, seq_len, dtype, query.device)
                 meta.prefill_masks[i] = mask
         out[start : start + q_len] = prefill_attention(
             query[start : start + q_len],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kvfleet.kernels import reference
 
 
 @triton.jit
@@ -51,6 +52,12 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if reference.is_fp8(k_cache.dtype) and key.dtype != k_cache.dtype:
+        # Quantise with torch (saturating, round to nearest even) and let the kernel copy
+        # bytes: the same fp8 values as the reference on every device. (Triton's interpreter
+        # also converts float32 to fp8 wrongly for some values.) The step's rows are small.
+        key = reference.to_cache_dtype(key, k_cache.dtype)
+        value = reference.to_cache_dtype(value, v_cache.dtype)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("reshape_and_cache: key/value head_dim must be contiguous (stride 1)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

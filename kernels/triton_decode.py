@@ -17,6 +17,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from kvfleet.kernels.reference import attention_dtype, is_fp8
 from kvfleet.kernels.triton_dot import dot_precision, mma, upcast_dot
 from kvfleet.kernels.triton_paged import paged_kv_offsets
 
@@ -59,6 +60,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WIDEN_KV: tl.constexpr,  # fp8 cache: widen K/V tiles to the query's dtype after loading
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -91,6 +93,8 @@ def _decode_kernel(
             )
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if WIDEN_KV:
+                k = k.to(q.dtype)
             qk = mma(q.to(k.dtype), tl.trans(k), UPCAST, PRECISION) * scale_log2
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
             # Every tile holds at least one valid token, so m_new is finite.
@@ -99,6 +103,8 @@ def _decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if WIDEN_KV:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
@@ -251,8 +257,9 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         SPLIT=split,
-        PRECISION=dot_precision(k_cache.dtype),
-        UPCAST=upcast_dot(k_cache.dtype),
+        PRECISION=dot_precision(attention_dtype(k_cache.dtype, query.dtype)),
+        UPCAST=upcast_dot(attention_dtype(k_cache.dtype, query.dtype)),
+        WIDEN_KV=is_fp8(k_cache.dtype),
     )
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](

@@ -16,6 +16,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from kvfleet.kernels.reference import attention_dtype, is_fp8
 from kvfleet.kernels.triton_dot import dot_precision, mma, upcast_dot
 from kvfleet.kernels.triton_paged import paged_kv_offsets
 
@@ -50,6 +51,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WIDEN_KV: tl.constexpr,  # fp8 cache: widen K/V tiles to the query's dtype after loading
 ):
     seq = tl.program_id(0) + first_seq
     head = tl.program_id(1)
@@ -86,6 +88,8 @@ def _prefill_kernel(
             )
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if WIDEN_KV:
+                k = k.to(q.dtype)
             qk = mma(q.to(k.dtype), tl.trans(k), UPCAST, PRECISION) * scale_log2
             # Key 0 is visible to every row (padding rows included), so each row's max is finite.
             visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
@@ -95,6 +99,8 @@ def _prefill_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if WIDEN_KV:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
@@ -165,7 +171,8 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        PRECISION=dot_precision(k_cache.dtype),
-        UPCAST=upcast_dot(k_cache.dtype),
+        PRECISION=dot_precision(attention_dtype(k_cache.dtype, query.dtype)),
+        UPCAST=upcast_dot(attention_dtype(k_cache.dtype, query.dtype)),
+        WIDEN_KV=is_fp8(k_cache.dtype),
     )
     return out

@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         "model": config.model,
         "device": _device_name(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "num_prompts": len(workload),
         "prompt_tokens": result.prompt_tokens,

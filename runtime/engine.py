@@ -77,6 +77,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for --kv-cache-dtype (auto: the model's)."""
+    if name == "auto":
+        return model_dtype
+    return torch.float8_e5m2 if name == "fp8_e5m2" else torch.float8_e4m3fn
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
         from kvfleet.runtime.loader import load_model, load_tokenizer, resolve_tokenizer
@@ -109,7 +116,8 @@ class LLMEngine:
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{mc.max_position_embeddings}"
             )
-        per_token = kv_bytes_per_token(mc, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        per_token = kv_bytes_per_token(mc, self.kv_dtype)
         budget = self._kv_budget(per_token)
         num_blocks = budget // (per_token * config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
@@ -127,7 +135,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, mc, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -137,13 +145,14 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         log.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB, %s), max_model_len %d",
             config.model,
             self.device,
             str(self.dtype).removeprefix("torch."),
             num_blocks,
             config.block_size,
             num_blocks * config.block_size * per_token / 1024**3,
+            str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
         )
 

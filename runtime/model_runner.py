@@ -50,7 +50,7 @@ class ModelRunner:
         model: torch.nn.Module,
         model_config: ModelConfig,
         kv: KVCacheManager,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,  # the cache's: the model's, or fp8 (--kv-cache-dtype)
         device: torch.device,
     ) -> None:
         self.model = model
@@ -62,7 +62,7 @@ class ModelRunner:
                 kv.block_size,
                 model_config.num_kv_heads,
                 model_config.head_dim,
-                dtype,
+                kv_dtype,
                 device,
             )
             for _ in range(model_config.num_layers)

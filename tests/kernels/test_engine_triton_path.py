@@ -16,6 +16,8 @@ PROMPTS = [
 ENGINE_SETUPS = {
     "defaults": dict(),
     "chunked-mixed": dict(block_size=8, max_num_batched_tokens=12),
+    # Both paths store the same fp8 values and widen them to float32 to attend.
+    "fp8-kv-cache": dict(block_size=8, max_num_batched_tokens=12, kv_cache_dtype="fp8"),
 }
 
 

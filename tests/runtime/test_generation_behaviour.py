@@ -256,3 +256,40 @@ def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_only_the_templates
     assert out.prompt_token_ids == llm.tokenizer("hi").input_ids
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))[0]
     assert chat.prompt_token_ids[0] == 1 and chat.prompt_token_ids[1] != 1
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_holds_twice_the_tokens_and_scores_text_alike() -> None:
+    # --kv-cache-dtype fp8 is lossy by design: it must hold twice the tokens in the same memory
+    # while the bundled model's log-probabilities of ordinary text stay close to bf16's.
+    text = (
+        "The capital of France is Paris. It is known for the Eiffel Tower, its museums, "
+        "its cafes and a long history of art and science."
+    )
+    scored = {}
+    for kv_dtype in ("auto", "fp8", "fp8_e5m2"):
+        llm = LLM(
+            "bundled",
+            dtype="bfloat16",
+            kv_cache_dtype=kv_dtype,
+            kv_cache_memory="64MiB",
+            max_model_len=1024,
+        )
+        scored[kv_dtype] = (
+            llm.engine.kv.num_blocks,
+            llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=1))[0],
+        )
+    blocks, base = scored["auto"]
+    for kv_dtype in ("fp8", "fp8_e5m2"):
+        fp8_blocks, out = scored[kv_dtype]
+        assert fp8_blocks == 2 * blocks
+        pairs = list(zip(out.prompt_logprobs[1:], base.prompt_logprobs[1:], strict=True))
+        drift = [abs(a.logprob - b.logprob) for a, b in pairs]
+        assert sum(drift) / len(drift) < 0.3, kv_dtype
+        same_top = sum(a.top[0][0] == b.top[0][0] for a, b in pairs)
+        assert same_top >= 0.8 * len(pairs), kv_dtype
+
+
+def test_unknown_kv_cache_dtype_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: must be one of auto, fp8"):
+        LLM("random:tiny", kv_cache_dtype="int4")
