@@ -105,10 +105,13 @@ class LLMEngine:
         mc = self.model_config
 
         if len(self.tokenizer) > mc.vocab_size:
-            # Its ids past the embedding table would crash the first forward that meets them.
-            raise ConfigError(
-                f"tokenizer: has {len(self.tokenizer)} tokens, more than the model's vocab_size "
-                f"{mc.vocab_size}"
+            # Some published models ship added tokens past their embedding table and work as
+            # long as those never appear; `validate` refuses a prompt that holds one.
+            log.warning(
+                "tokenizer: has %d tokens, more than the model's vocab_size %d; prompts with "
+                "ids past it will be refused",
+                len(self.tokenizer),
+                mc.vocab_size,
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:

