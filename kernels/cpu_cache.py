@@ -32,10 +32,7 @@ def supports(key, value, k_cache, v_cache, slot_mapping) -> bool:
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """`reference.reshape_and_cache`: write [tokens, kv_heads, D] K/V into their slots; slot
     -1 is skipped, a slot past the cache raises IndexError."""
-    if reference.is_fp8(k_cache.dtype) and key.dtype != k_cache.dtype:
-        # Quantise the step's rows once (saturating), then the C copy moves bytes as usual.
-        key = reference.to_cache_dtype(key, k_cache.dtype)
-        value = reference.to_cache_dtype(value, v_cache.dtype)
+    key, value = reference.rows_for_cache(key, value, k_cache.dtype)
     if not supports(key, value, k_cache, v_cache, slot_mapping):
         reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         return

@@ -35,6 +35,17 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def rows_for_cache(
+    key: torch.Tensor, value: torch.Tensor, cache_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's new K/V rows as an fp8 cache stores them (saturated, rounded to nearest even
+    by torch), so every write path (this one, C, Triton) stores the same bytes and only copies;
+    rows for other caches are returned as they are."""
+    if is_fp8(cache_dtype):
+        return to_cache_dtype(key, cache_dtype), to_cache_dtype(value, cache_dtype)
+    return key, value
+
+
 def attention_dtype(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> torch.dtype:
     """The dtype attention computes in: the cache's, except that fp8 caches are widened to the
     query's (the model's) dtype."""
@@ -83,8 +94,9 @@ def reshape_and_cache(
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = to_cache_dtype(key, k_cache.dtype)
-    v_cache[blocks, offsets] = to_cache_dtype(value, v_cache.dtype)
+    key, value = rows_for_cache(key, value, k_cache.dtype)
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -52,12 +52,9 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    if reference.is_fp8(k_cache.dtype) and key.dtype != k_cache.dtype:
-        # Quantise with torch (saturating, round to nearest even) and let the kernel copy
-        # bytes: the same fp8 values as the reference on every device. (Triton's interpreter
-        # also converts float32 to fp8 wrongly for some values.) The step's rows are small.
-        key = reference.to_cache_dtype(key, k_cache.dtype)
-        value = reference.to_cache_dtype(value, v_cache.dtype)
+    # fp8 caches: quantised by torch, copied by the kernel (Triton's interpreter converts some
+    # float32 values to fp8 wrongly, so an in-kernel cast could not be checked here).
+    key, value = reference.rows_for_cache(key, value, k_cache.dtype)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("reshape_and_cache: key/value head_dim must be contiguous (stride 1)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

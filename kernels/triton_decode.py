@@ -229,6 +229,7 @@ def decode_attention(
         )
     else:
         part_out = part_ml = out  # unused: SPLIT is a compile-time False
+    compute_dtype = attention_dtype(k_cache.dtype, query.dtype)  # fp8 caches: the query's
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -257,8 +258,8 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         SPLIT=split,
-        PRECISION=dot_precision(attention_dtype(k_cache.dtype, query.dtype)),
-        UPCAST=upcast_dot(attention_dtype(k_cache.dtype, query.dtype)),
+        PRECISION=dot_precision(compute_dtype),
+        UPCAST=upcast_dot(compute_dtype),
         WIDEN_KV=is_fp8(k_cache.dtype),
     )
     if split:

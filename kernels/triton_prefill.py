@@ -147,6 +147,7 @@ def prefill_attention(
     num_seqs = seq_lens.shape[0] - first_seq
     if num_seqs <= 0 or max_query_len <= 0:
         return out
+    compute_dtype = attention_dtype(k_cache.dtype, query.dtype)  # fp8 caches: the query's
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, block_m))](
         query,
         k_cache,
@@ -171,8 +172,8 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        PRECISION=dot_precision(attention_dtype(k_cache.dtype, query.dtype)),
-        UPCAST=upcast_dot(attention_dtype(k_cache.dtype, query.dtype)),
+        PRECISION=dot_precision(compute_dtype),
+        UPCAST=upcast_dot(compute_dtype),
         WIDEN_KV=is_fp8(k_cache.dtype),
     )
     return out
