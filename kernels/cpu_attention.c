@@ -337,26 +337,6 @@ static void attend_group(Scratch *s, const float *query, float *out, const void 
 #define HAVE_BF16_DOT 1
 #define MAX_HEADS_PER_PASS 4 /* heads whose scores are computed before one P · V pass */
 
-/* exp(x) for 16 lanes of x <= 0 (or -inf): exp_nonpositive's method, with the rounding and
- * the 2^n scaling done by roundscale and scalef. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 underflow = _mm512_set1_ps(-87.0f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, underflow, _CMP_LT_OQ);
-    const __m512 xc = _mm512_max_ps(x, underflow);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
-}
-
 /* The 16 scores q · k[t], k 16 bf16 rows of d (d a multiple of 32), q d bf16 values. */
 static inline __m512 scores16_bf16(const uint16_t *q, const uint16_t *k, int d) {
     __m512 v[16];

@@ -1,11 +1,12 @@
 /* Elementwise ops around kvfleet's matmuls, fused for the CPU path in bfloat16: RMSNorm with
- * its residual add, and neox rotary embedding.
+ * its residual add, neox rotary embedding, and SwiGLU's silu-and-mul.
  *
  * Why C: torch runs each as several passes over the tokens (widen to float32, add, normalise,
  * scale, narrow; rotate halves, concatenate); on a 2048-token prefill step on two cores these two
  * took a fifth of the step. Each function here makes one pass: a row is read once, computed in
- * float32 and written once. (SiLU-and-mul stays in torch: a C version measured no faster, both
- * being bound by memory at prefill sizes.)
+ * float32 and written once. SiLU-and-mul is the exception that proves the rule: torch's bf16
+ * silu runs libm-style exp per element, 5 GB/s on a decode step's rows that sit in L2; with
+ * exp_nonpositive vectorised it is bound by memory instead (4x faster at 128 rows).
  *
  * Semantics are those of the torch reference (kernels/reference.py), which is the specification;
  * results differ from it only by float32 summation order and where bf16 rounding happens.
@@ -17,6 +18,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "cpu_math.h"
 
@@ -96,6 +100,48 @@ int kvfleet_rotary_neox_bf16(const int64_t *positions, int64_t tokens, uint16_t 
         }
         rotate_heads(q + t * q_stride, q_heads, head_dim, half, cos, sin);
         rotate_heads(k + t * k_stride, k_heads, head_dim, half, cos, sin);
+    }
+    return OK;
+}
+
+/* out[r, i] = bf16(silu(x[r, i]) * x[r, d + i]) for rows of 2 * d bf16 values (row stride
+ * x_stride elements; out rows contiguous). silu(g) = g * sigmoid(g), with sigmoid built from
+ * e = exp(-|g|) <= 1 so the one exp never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+ * With AVX-512 the division is a reciprocal estimate refined by one Newton step (2^-23
+ * relative, below bf16's rounding): a vector divide per 16 values was a third of the time. */
+int kvfleet_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows,
+                              int d, int num_threads) {
+    if (d <= 0) return ERR_SHAPE;
+#pragma omp parallel for schedule(static) num_threads(team(rows * d, num_threads))
+    for (int64_t row = 0; row < rows; row++) {
+        const uint16_t *gate = x + row * x_stride, *up = gate + d;
+        uint16_t *o = out + row * (int64_t)d;
+        int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+        const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+        for (; i + 16 <= d; i += 16) {
+            const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
+            const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
+            const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
+            const __m512 e = exp16(neg_abs);
+            const __m512 den = _mm512_add_ps(one, e);
+            __m512 inv = _mm512_rcp14_ps(den);
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
+            const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, inv, e);
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+#endif
+        for (; i < d; i++) {
+            const float g = bf16_to_f32(gate[i]);
+            const float e = exp_nonpositive(g < 0.0f ? g : -g);
+            const float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);
+            o[i] = f32_to_bf16(g * sigmoid * bf16_to_f32(up[i]));
+        }
     }
     return OK;
 }

@@ -1,5 +1,6 @@
 """The fused CPU elementwise kernels (kernels/cpu_elementwise.c) behind the same signatures as
-their torch references: RMSNorm with residual add, and neox rotary embedding.
+their torch references: RMSNorm with residual add, neox rotary embedding, SwiGLU's
+silu-and-mul.
 
 They take bfloat16 activations only, the CPU default wherever the CPU has AVX-512 BF16: in
 float32 the reference stays, so float32 runs keep matching Hugging Face token for token. Inputs
@@ -135,3 +136,28 @@ def rotary_embedding(
         raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")
     _check(status, "rotary")
     return query, key
+
+
+def supports_silu_and_mul(x: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and _is_cpu_bf16(x)
+        and x.stride(1) == 1
+        and x.shape[1] % 2 == 0
+        and x.shape[1] > 0
+        and cpu_library.available()
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`reference.silu_and_mul` in one pass, rounding once (the reference rounds silu's result
+    to bf16 before the multiply, so results differ by up to one bf16 step)."""
+    if not supports_silu_and_mul(x):
+        return reference.silu_and_mul(x)
+    rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, d, dtype=x.dtype)
+    status = cpu_library.library().kvfleet_silu_and_mul_bf16(
+        x.data_ptr(), x.stride(0), out.data_ptr(), rows, d, torch.get_num_threads()
+    )
+    _check(status, "silu_and_mul")
+    return out

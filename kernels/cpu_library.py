@@ -1,5 +1,5 @@
-"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_cache.c and cpu_elementwise.c
-(with their shared header cpu_math.h), built into one shared object.
+"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_cache.c, cpu_elementwise.c
+and cpu_argmax.c (with their shared header cpu_math.h), built into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -26,7 +26,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_attention.c", HERE / "cpu_cache.c", HERE / "cpu_elementwise.c"]
+SOURCES = [
+    HERE / name for name in ("cpu_attention.c", "cpu_cache.c", "cpu_elementwise.c", "cpu_argmax.c")
+]
 HEADERS = [HERE / "cpu_math.h"]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -46,6 +48,10 @@ SIGNATURES: dict[str, list[type]] = {
     # positions, tokens, q, q_stride, q_heads, k, k_stride, k_heads, head_dim, rot_dim,
     # cos_sin, cos_sin_stride, max_position, num_threads
     "kvfleet_rotary_neox_bf16": [_p, _i64, _p, _i64, _i, _p, _i64, _i, _i, _i, _p, _i64, _i64, _i],
+    # x, x_stride, out, rows, d, num_threads
+    "kvfleet_silu_and_mul_bf16": [_p, _i64, _p, _i64, _i, _i],
+    # x, x_stride, rows, cols, out, num_threads
+    "kvfleet_argmax_f32": [_p, _i64, _i64, _i64, _p, _i],
 }  # fmt: skip
 
 

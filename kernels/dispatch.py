@@ -1,5 +1,5 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
-(cpu_attention, cpu_cache, cpu_elementwise) and oneDNN's prepacked bf16 GEMMs (cpu_linear) where
+(cpu_attention, cpu_cache, cpu_elementwise, cpu_argmax) and oneDNN's prepacked bf16 GEMMs (cpu_linear) where
 they take the inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
@@ -12,7 +12,14 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from kvfleet.kernels import cpu_attention, cpu_cache, cpu_elementwise, cpu_linear, reference
+from kvfleet.kernels import (
+    cpu_argmax,
+    cpu_attention,
+    cpu_cache,
+    cpu_elementwise,
+    cpu_linear,
+    reference,
+)
 from kvfleet.kernels.metadata import AttentionMetadata
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -140,7 +147,13 @@ def silu_and_mul(x):
         from kvfleet.kernels import triton_silu_and_mul
 
         return triton_silu_and_mul.silu_and_mul(x)
-    return reference.silu_and_mul(x)
+    return cpu_elementwise.silu_and_mul(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value: `torch.argmax(x, dim=-1)` for [rows, n]
+    logits (greedy sampling). On CUDA torch's own is fast already."""
+    return cpu_argmax.argmax(x)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):

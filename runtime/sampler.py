@@ -10,6 +10,7 @@ which draws from softmax without a cumulative sum.
 from __future__ import annotations
 
 import torch
+from kvfleet.kernels import dispatch
 from kvfleet.runtime.request import Request, TokenLogprob
 
 
@@ -32,12 +33,12 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if len(greedy) == len(requests):
-            tokens = logits.argmax(dim=-1)
+            tokens = dispatch.argmax(logits)
         else:
             tokens = self._sample(logits, requests)
             if greedy:
                 idx = torch.tensor(greedy)
-                tokens[idx] = logits[idx].argmax(dim=-1)
+                tokens[idx] = dispatch.argmax(logits[idx])
         token_list = tokens.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
@@ -107,7 +108,7 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        return (probs / noise).argmax(dim=-1)
+        return dispatch.argmax(probs / noise)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The C CPU elementwise kernels (RMSNorm + residual, neox rotary) against their torch
-references, and the dispatch that picks them for bfloat16 on CPU only."""
+"""The C CPU elementwise kernels (RMSNorm + residual, neox rotary, silu-and-mul) against their
+torch references, and the dispatch that picks them for bfloat16 on CPU only."""
 
 import pytest
 import torch
@@ -102,6 +102,38 @@ def test_gptj_layout_goes_to_the_reference():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def silu_and_mul_truth(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate computed in float32 and rounded to bf16 once."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(BF16)
+
+
+# d = 1536 is the bundled model's; 40 leaves a tail past the 16-wide vectors; 2048 rows wake
+# the OpenMP team. Gates from -100 to 100 reach exp's underflow on the negative side.
+@pytest.mark.parametrize("rows,d", [(1, 1536), (7, 40), (2048, 1536), (3, 8)])
+def test_silu_and_mul_rounds_the_float32_result_once(rows, d):
+    gen = torch.Generator().manual_seed(rows + d)
+    x = (torch.randn(rows, 2 * d, generator=gen) * 4).to(BF16)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    out = cpu_elementwise.silu_and_mul(x)
+    truth = silu_and_mul_truth(x)
+    assert out.dtype == BF16 and out.shape == (rows, d)
+    # At most one bf16 step (2^-7 relative at worst) from the once-rounded truth, and within
+    # one of the reference, which rounds twice.
+    torch.testing.assert_close(out, truth, atol=1e-6, rtol=2**-7)
+    want = reference.silu_and_mul(x)
+    torch.testing.assert_close(out, want, **one_ulp_of(want))
+    assert out[0, 0] == 0 and out[0, 2] == 0  # silu(-100) underflows to 0; silu(0) is 0
+
+
+def test_silu_and_mul_reads_a_strided_input():
+    wide = (torch.randn(4, 100) * 2).to(BF16)
+    x = wide[:, 10:74]  # row stride 100, d = 32
+    torch.testing.assert_close(
+        cpu_elementwise.silu_and_mul(x), silu_and_mul_truth(x), atol=1e-6, rtol=2**-7
+    )
+
+
 def test_dispatch_takes_the_c_kernels_for_bf16_only(monkeypatch):
     calls = []
     real_norm = cpu_library.library().kvfleet_add_rms_norm_bf16
@@ -115,6 +147,15 @@ def test_dispatch_takes_the_c_kernels_for_bf16_only(monkeypatch):
     assert torch.equal(out32, reference.rms_norm(x, w, 1e-5)[0])
     dispatch.rms_norm(x.to(BF16), w.to(BF16), 1e-5)
     assert calls == ["bf16"]
+
+    real_silu = lib.kvfleet_silu_and_mul_bf16
+    monkeypatch.setattr(
+        lib, "kvfleet_silu_and_mul_bf16", lambda *a: calls.append("silu") or real_silu(*a)
+    )
+    gate_up = torch.randn(3, 64)
+    assert torch.equal(dispatch.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    dispatch.silu_and_mul(gate_up.to(BF16))
+    assert calls == ["bf16", "silu"]
 
 
 def test_disabled_kernels_fall_back_to_the_reference(monkeypatch):
