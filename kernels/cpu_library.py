@@ -1,5 +1,6 @@
-"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_cache.c, cpu_elementwise.c
-and cpu_argmax.c (with their shared header cpu_math.h), built into one shared object.
+"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_cache.c,
+cpu_elementwise.c and cpu_argmax.c (with their shared header cpu_math.h), built into one shared
+object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -26,9 +27,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [
-    HERE / name for name in ("cpu_attention.c", "cpu_cache.c", "cpu_elementwise.c", "cpu_argmax.c")
-]
+_SOURCE_NAMES = (
+    "cpu_attention.c",
+    "cpu_prefill.c",
+    "cpu_cache.c",
+    "cpu_elementwise.c",
+    "cpu_argmax.c",
+)
+SOURCES = [HERE / name for name in _SOURCE_NAMES]
 HEADERS = [HERE / "cpu_math.h"]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -40,6 +46,10 @@ SIGNATURES: dict[str, list[type]] = {
     # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
     "kvfleet_decode_attention": [_p, _p, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i],
     "kvfleet_cpu_attention_bf16_dot": [],
+    # query, q_stride, out, out_stride, k_cache, v_cache, block_table, seq_len, q_len,
+    # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
+    "kvfleet_prefill_attention_bf16": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
+    "kvfleet_prefill_attention_amx": [],
     # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
     # head_dim, block_size, num_blocks, elem_size
     "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],

@@ -1,6 +1,6 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
-(cpu_attention, cpu_cache, cpu_elementwise, cpu_argmax) and oneDNN's prepacked bf16 GEMMs (cpu_linear) where
-they take the inputs, else the torch reference.
+(cpu_attention, cpu_prefill, cpu_cache, cpu_elementwise, cpu_argmax) and oneDNN's prepacked
+bf16 GEMMs (cpu_linear) where they take the inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -18,6 +18,7 @@ from kvfleet.kernels import (
     cpu_cache,
     cpu_elementwise,
     cpu_linear,
+    cpu_prefill,
     reference,
 )
 from kvfleet.kernels.metadata import AttentionMetadata
@@ -123,12 +124,17 @@ def paged_attention(
 
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     # Decodes of CPU tensors on head-major caches go to the C kernel (several times faster than
-    # the reference's gather + batched matmuls); prefills, and anything it cannot take, stay on
-    # the reference.
-    decode_fn = None
+    # the reference's gather + batched matmuls), bf16 prefills to the AMX kernel where the CPU
+    # has AMX (twice SDPA's speed); anything they cannot take stays on the reference.
+    decode_fn = prefill_fn = None
     if cpu_attention.supports(query, k_cache, v_cache) and cpu_attention.available():
         decode_fn = cpu_attention.decode_attention
-    return reference.paged_attention(query, k_cache, v_cache, meta, scale, decode_fn=decode_fn)
+    has_prefills = meta.num_seqs > meta.num_decodes
+    if has_prefills and cpu_prefill.supports(query, k_cache, v_cache) and cpu_prefill.available():
+        prefill_fn = cpu_prefill.prefill_attention
+    return reference.paged_attention(
+        query, k_cache, v_cache, meta, scale, decode_fn=decode_fn, prefill_fn=prefill_fn
+    )
 
 
 def rms_norm(x, weight, eps, residual=None):

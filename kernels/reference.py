@@ -204,11 +204,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode_fn: Callable[..., torch.Tensor] | None = None,
+    prefill_fn: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention for a mixed batch ([tokens, heads, D] → same): decodes batched, prefills each.
 
     `decode_fn` (default `decode_attention`) computes the decode part: the CPU dispatch passes
-    the C kernel, which takes `decode_attention`'s arguments."""
+    the C kernel, which takes `decode_attention`'s arguments. `prefill_fn`, when given, computes
+    each prefill instead of `prefill_attention`: (query, k_cache, v_cache, block_table, seq_len,
+    scale, out) writing into `out`, this sequence's rows of the result."""
     out = torch.empty_like(query)
     nd = meta.num_decodes
     if nd:
@@ -224,6 +227,12 @@ def paged_attention(
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
+        if prefill_fn is not None:
+            rows = slice(start, start + q_len)
+            table = meta.block_tables[i]
+            prefill_fn(query[rows], k_cache, v_cache, table, seq_len, scale, out[rows])
+            start += q_len
+            continue
         mask = None
         if seq_len > q_len:
             mask = meta.prefill_masks.get(i)

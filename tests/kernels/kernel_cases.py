@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvfleet.kernels import reference
 from kvfleet.kernels.metadata import AttentionMetadata
 
 # Attention outputs are convex combinations of V rows ~ N(0, 1): bf16 storage of the
@@ -62,6 +63,14 @@ def paged_case(
         tables[i, :n] = perm[used : used + n].to(torch.int32)
         used += n
     return PagedCase(k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache contents in the head-major storage the torch path allocates."""
+    out, _ = reference.allocate_kv_cache(*cache.shape[:3], cache.shape[3], cache.dtype, "cpu",
+                                         head_major=True)  # fmt: skip
+    out.copy_(cache)
+    return out
 
 
 def attention_metadata(

@@ -11,6 +11,7 @@ from kernel_cases import (
     attention_metadata,
     contiguous_context,
     dense_attention,
+    head_major,
     paged_case,
     ragged_lengths,
 )
@@ -30,14 +31,6 @@ CASES = [
     (2, 1, 8, 128, 8, F32, 81),
     (11, 1, 1, 64, 16, BF16, 65),
 ]
-
-
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same cache contents in the head-major storage the torch path allocates."""
-    out, _ = reference.allocate_kv_cache(*cache.shape[:3], cache.shape[3], cache.dtype, "cpu",
-                                         head_major=True)  # fmt: skip
-    out.copy_(cache)
-    return out
 
 
 def make_inputs(seed, batch, kv_heads, ratio, head_dim, block_size, dtype, max_len):

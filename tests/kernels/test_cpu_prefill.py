@@ -1,0 +1,163 @@
+"""The AMX prefill-attention kernel against a dense float64 softmax and the SDPA reference,
+and the dispatch that picks it for bf16 prefills where the CPU has AMX."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import (
+    TOLERANCE,
+    attention_metadata,
+    contiguous_context,
+    dense_attention,
+    head_major,
+    paged_case,
+)
+from kvfleet.kernels import cpu_library, cpu_prefill, dispatch, reference
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _kernel_enabled(monkeypatch):
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+    yield
+    cpu_library.library.cache_clear()
+
+
+def _need_amx():
+    if not cpu_prefill.available():
+        pytest.skip("this CPU or build has no AMX (test_amx_where_the_cpu_has_it checks which)")
+
+
+def test_amx_where_the_cpu_has_it():
+    """The kernel runs wherever the CPU has AMX-BF16: a build or permission failure there is a
+    bug, so the numeric tests below cannot skip silently on such a machine."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert cpu_prefill.available() == ("amx_bf16" in flags and "amx_tile" in flags)
+
+
+def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0):
+    """One sequence's query and paged cache; `ramp` scales key p by 1 + ramp * p."""
+    gen = torch.Generator().manual_seed(seed)
+    case = paged_case(gen, [seq_len], block_size, kv_heads, head_dim, BF16)
+    for p in range(seq_len):
+        block, offset = int(case.block_tables[0, p // block_size]), p % block_size
+        case.k_cache[block, offset] *= 1 + ramp * p
+    k, v = head_major(case.k_cache), head_major(case.v_cache)
+    query = torch.randn((q_len, kv_heads * ratio, head_dim), generator=gen).to(BF16)
+    return query, k, v, case.block_tables[0]
+
+
+# (q_len, seq_len, kv_heads, gqa ratio, head_dim, block_size): one query; one whole 16-query
+# tile; a tail tile after cached context; a full causal prompt with GQA 8 and 32-token blocks;
+# a short suffix after a long cached prefix (a prefix-cache hit); head_dim 128 and 96 (O through
+# memory rather than tile registers); head_dim 32 with 48-token blocks.
+CASES = [
+    (1, 1, 1, 1, 64, 16),
+    (16, 16, 3, 3, 64, 16),
+    (17, 40, 3, 3, 64, 16),
+    (100, 100, 1, 8, 64, 32),
+    (7, 300, 2, 1, 64, 16),
+    (45, 77, 2, 2, 128, 32),
+    (50, 90, 2, 4, 96, 16),
+    (33, 33, 1, 3, 32, 48),
+]
+
+
+@pytest.mark.parametrize(
+    "q_len,seq_len,kv_heads,ratio,head_dim,block_size",
+    CASES,
+    ids=[f"q{c[0]}-ctx{c[1]}-kvh{c[2]}-g{c[3]}-d{c[4]}-bs{c[5]}" for c in CASES],
+)
+def test_prefill_matches_dense_softmax_and_sdpa(
+    q_len, seq_len, kv_heads, ratio, head_dim, block_size
+):
+    _need_amx()
+    query, k, v, table = _case(q_len * seq_len, q_len, seq_len, kv_heads, ratio, head_dim,
+                               block_size)  # fmt: skip
+    scale = head_dim**-0.5
+    got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+    dense = dense_attention(
+        query, contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len), scale
+    )
+    torch.testing.assert_close(got.double(), dense, **TOLERANCE[BF16])
+    sdpa = reference.prefill_attention(query, k, v, table, seq_len, scale)
+    torch.testing.assert_close(got, sdpa, **TOLERANCE[BF16])
+
+
+def test_scores_that_keep_rising_rescale_exactly():
+    """Keys growing along the sequence (key p scaled by 1 + p / 20) make the scores' range grow
+    to hundreds of nats, so the running max passes its slack again and again: every rescale
+    must keep the result a softmax (no overflow, no stale-max bias)."""
+    _need_amx()
+    query, k, v, table = _case(7, 64, 700, 1, 3, 64, 16, ramp=0.05)
+    scale = 64**-0.5
+    got = cpu_prefill.prefill_attention(query, k, v, table, 700, scale)
+    assert torch.isfinite(got.float()).all()
+    dense = dense_attention(
+        query, contiguous_context(k, table, 700), contiguous_context(v, table, 700), scale
+    )
+    torch.testing.assert_close(got.double(), dense, **TOLERANCE[BF16])
+
+
+def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice():
+    """The model's query is a view of the fused qkv projection (token stride > heads * D) and
+    the result goes into rows of the step's output tensor."""
+    _need_amx()
+    q_len, heads, kv_heads, d = 20, 6, 2, 64
+    query, k, v, table = _case(3, q_len, 50, kv_heads, heads // kv_heads, d, 16)
+    qkv = torch.zeros(q_len, (heads + 2 * kv_heads) * d, dtype=BF16)
+    qkv[:, : heads * d] = query.reshape(q_len, -1)
+    strided = qkv[:, : heads * d].view(q_len, heads, d)
+    out = torch.full((q_len + 5, heads, d), 7.0, dtype=BF16)
+    cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=out[5:])
+    assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=BF16))  # untouched
+    want = reference.prefill_attention(query, k, v, table, 50, 0.125)
+    torch.testing.assert_close(out[5:], want, **TOLERANCE[BF16])
+
+
+def _mixed_batch(dtype=BF16, block_size=16):
+    """Two decodes then two prefills (one over cached context) in one step."""
+    gen = torch.Generator().manual_seed(11)
+    lens, query_lens = [30, 18, 40, 25], [1, 1, 40, 9]
+    case = paged_case(gen, lens, block_size, 2, 64, BF16)
+    meta = attention_metadata(case, query_lens, num_decodes=2, block_size=block_size)
+    k, v = head_major(case.k_cache).to(dtype), head_major(case.v_cache).to(dtype)
+    tokens = torch.randn((sum(query_lens), 6, 64), generator=gen).to(BF16)
+    return tokens, k, v, meta
+
+
+def _count_kernel_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = cpu_prefill.prefill_attention
+    monkeypatch.setattr(
+        cpu_prefill, "prefill_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
+    )
+    return calls
+
+
+def test_dispatch_runs_bf16_prefills_on_the_kernel(monkeypatch):
+    _need_amx()
+    calls = _count_kernel_calls(monkeypatch)
+    tokens, k, v, meta = _mixed_batch()
+    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    assert calls == [40, 9]  # one call per prefill, none for the decodes
+    want = reference.paged_attention(tokens, k, v, meta, 0.125)
+    torch.testing.assert_close(got, want, **TOLERANCE[BF16])
+
+
+@pytest.mark.parametrize("reason", ["fp8 cache", "8-token blocks", "kernels off"])
+def test_what_the_kernel_does_not_take_stays_on_sdpa(monkeypatch, reason):
+    calls = _count_kernel_calls(monkeypatch)
+    if reason == "fp8 cache":
+        tokens, k, v, meta = _mixed_batch(dtype=torch.float8_e4m3fn)
+    elif reason == "8-token blocks":
+        tokens, k, v, meta = _mixed_batch(block_size=8)
+    else:
+        monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
+        tokens, k, v, meta = _mixed_batch()
+    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    assert calls == []
+    want = reference.paged_attention(tokens, k, v, meta, 0.125)
+    torch.testing.assert_close(got, want, **TOLERANCE[BF16])
