@@ -11,12 +11,21 @@ from kvfleet.kernels import cpu_library, reference
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE = 256, 16, 256
 _ERRORS = {1: "unsupported shape or dtype", 2: "out of memory for per-thread scratch"}
+# Whether bf16 caches with head_dim 64 may take the AMX path where the CPU has it (tests turn
+# it off to check the AVX512-BF16 dot path on the same machine).
+ALLOW_AMX = True
 
 
 def uses_bf16_dot() -> bool:
     """Whether the built kernel computes bf16 caches with AVX512-BF16 dot products (gcc saw
     AVX512-BF16 under -march=native) rather than by widening K/V blocks to float32."""
     return available() and bool(cpu_library.library().kvfleet_cpu_attention_bf16_dot())
+
+
+def uses_amx() -> bool:
+    """Whether bf16 caches with head_dim 64 and blocks of a multiple of 16 tokens run on AMX
+    tiles here (unless `ALLOW_AMX` is turned off)."""
+    return available() and bool(cpu_library.library().kvfleet_cpu_attention_amx())
 
 
 def available() -> bool:
@@ -86,6 +95,7 @@ def decode_attention(
         num_blocks,
         scale,
         torch.get_num_threads(),
+        int(ALLOW_AMX),
     )
     if status != 0:
         raise RuntimeError(f"CPU decode attention kernel: {_ERRORS.get(status, status)}")

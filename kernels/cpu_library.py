@@ -35,7 +35,7 @@ _SOURCE_NAMES = (
     "cpu_argmax.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [HERE / "cpu_math.h"]
+HEADERS = [HERE / "cpu_math.h", HERE / "cpu_amx.h"]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -43,9 +43,10 @@ _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The library's C ABI in one place: argument types of every exported function (all return int).
 SIGNATURES: dict[str, list[type]] = {
     # query, out, k_cache, v_cache, dtype, block_tables, table_stride, seq_lens, num_seqs,
-    # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
-    "kvfleet_decode_attention": [_p, _p, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i],
+    # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads, allow_amx
+    "kvfleet_decode_attention": [_p, _p, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i, _i],
     "kvfleet_cpu_attention_bf16_dot": [],
+    "kvfleet_cpu_attention_amx": [],
     # query, q_stride, out, out_stride, k_cache, v_cache, block_table, seq_len, q_len,
     # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
     "kvfleet_prefill_attention_bf16": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],

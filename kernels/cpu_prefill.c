@@ -31,14 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_math.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };
 
@@ -48,39 +42,8 @@ enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };
 #define RESCALE_SLACK 8.0f /* natural-log units: probabilities up to e^8 before a rescale */
 
 #ifdef HAVE_AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux hands out the AMX register state only to processes that ask for it (once per process;
- * oneDNN asks too, which makes this a no-op after a bf16 GEMM has run). */
-static int amx_permitted(void) {
-    static int state; /* 0 not asked yet, 1 granted, -1 refused */
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Every tile this file uses is 16 rows of 64 bytes: 16 x 32 bf16 (A, B) or 16 x 16 float32 (C).
- * The configuration is per thread. Tiles: 0, 1 = S^T halves; 2 = A operand; 3 = B operand;
- * 4..7 = four 16-dim slices of O^T's increment. */
-static void configure_tiles(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = TILE_ROWS;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* Tiles (configure_tiles): 0, 1 = S^T halves; 2 = A operand; 3 = B operand; 4..7 = O^T (a
+ * 64-dim O^T stays there) or four 16-dim slices of its increment. */
 
 /* V^T of one kv head in 32-key chunks: vt[chunk][d][k] = V[chunk * 32 + k][d] (zero past
  * seq_len: a stale row would otherwise meet a probability of 0 and could still make NaN). */

@@ -61,14 +61,24 @@ def test_bf16_dot_path_built_where_the_cpu_has_it():
     assert cpu_attention.uses_bf16_dot() == ("avx512_bf16" in flags)
 
 
+def test_amx_path_where_the_cpu_has_it():
+    """bf16 caches with head_dim 64 run on AMX tiles wherever the CPU has AMX-BF16, so the
+    `amx` cases below test that path there (and the dot path when it is turned off)."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert cpu_attention.uses_amx() == ("amx_bf16" in flags and "amx_tile" in flags)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 @pytest.mark.parametrize(
     "batch,kv_heads,ratio,head_dim,block_size,dtype,max_len",
     CASES,
     ids=[f"b{c[0]}-kvh{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}-{str(c[5])[6:]}" for c in CASES],
 )
 def test_decode_matches_reference_and_dense(
-    poison_allocations, batch, kv_heads, ratio, head_dim, block_size, dtype, max_len
-):
+    poison_allocations, monkeypatch, amx, batch, kv_heads, ratio, head_dim, block_size, dtype,
+    max_len,
+):  # fmt: skip
+    monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
     case, lens, args = make_inputs(
         hash((batch, kv_heads, ratio)) % 2**31, batch, kv_heads, ratio, head_dim, block_size,
         dtype, max_len,
@@ -88,6 +98,28 @@ def test_decode_matches_reference_and_dense(
         dense = dense_attention(query[s : s + 1], kc, vc, args[-1])[0]
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(got[s].double(), dense, **tol)
+
+
+def test_decode_scores_that_keep_rising_rescale_exactly():
+    """Keys growing along the context (key p scaled by 1 + p / 20) push each head's running max
+    past its slack again and again; the AMX path's rescales must keep an exact softmax."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [600, 333, 100]
+    case = paged_case(gen, lens, 16, 1, 64, BF16)
+    for s, n in enumerate(lens):
+        for p in range(n):
+            case.k_cache[int(case.block_tables[s, p // 16]), p % 16] *= 1 + 0.05 * p
+    query = torch.randn((len(lens), 3, 64), generator=gen).to(BF16)
+    k, v = head_major(case.k_cache), head_major(case.v_cache)
+    got = cpu_attention.decode_attention(
+        query, k, v, case.block_tables, case.seq_lens, max(lens), 0.125
+    )
+    assert torch.isfinite(got).all()
+    for s, n in enumerate(lens):
+        kc = contiguous_context(case.k_cache, case.block_tables[s], n)
+        vc = contiguous_context(case.v_cache, case.block_tables[s], n)
+        dense = dense_attention(query[s : s + 1], kc, vc, 0.125)[0]
+        torch.testing.assert_close(got[s].double(), dense, atol=1e-2, rtol=1e-2)
 
 
 def test_thread_counts_agree():
