@@ -1,6 +1,6 @@
 """The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_cache.c,
-cpu_elementwise.c and cpu_argmax.c (with their shared header cpu_math.h), built into one shared
-object.
+cpu_elementwise.c and cpu_argmax.c (with their shared headers cpu_math.h and cpu_amx.h), built
+into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,

@@ -81,11 +81,12 @@ static void attend_tile(Scratch *w, const uint16_t *query, int64_t q_stride, uin
     /* Q^T in VNNI pairs: qt[c][r][n][j] = Q[q0 + n][head][32c + 2r + j]; missing rows are 0. */
     for (int c = 0; c < dim_tiles; c++)
         for (int n = 0; n < TILE_ROWS; n++) {
-            const uint16_t *q = query + (int64_t)(q0 + n) * q_stride + (int64_t)head * D + 32 * c;
+            const uint16_t *q =
+                n < rows ? query + (int64_t)(q0 + n) * q_stride + (int64_t)head * D + 32 * c : NULL;
             for (int r = 0; r < 16; r++) {
                 uint16_t *dst = w->qt + ((size_t)(c * 16 + r) * TILE_ROWS + n) * 2;
-                dst[0] = n < rows ? q[2 * r] : 0;
-                dst[1] = n < rows ? q[2 * r + 1] : 0;
+                dst[0] = q ? q[2 * r] : 0;
+                dst[1] = q ? q[2 * r + 1] : 0;
             }
         }
     /* A 64-dim O^T fits the four tiles 4..7 and stays there; wider heads go through memory. */

@@ -59,8 +59,9 @@ def prefill_attention(
     check `available()` and `supports()` first."""
     q_len, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    target = out
+    if out is None or out.stride(2) != 1 or out.stride(1) != head_dim:
+        out = torch.empty(query.shape, dtype=query.dtype)  # the kernel writes packed heads
     table = block_table.to(torch.int32).contiguous()
     # The storage behind the permuted view: [kv_heads, blocks, block, D], contiguous.
     k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
@@ -84,4 +85,7 @@ def prefill_attention(
     )
     if status != 0:
         raise RuntimeError(f"CPU prefill attention kernel: {_ERRORS.get(status, status)}")
+    if target is not None and target is not out:
+        target.copy_(out)
+        return target
     return out

@@ -115,6 +115,11 @@ def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice():
     assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=BF16))  # untouched
     want = reference.prefill_attention(query, k, v, table, 50, 0.125)
     torch.testing.assert_close(out[5:], want, **TOLERANCE[BF16])
+    # A destination whose heads are not packed per token is written through a packed buffer.
+    heads_major = torch.zeros(heads, q_len, d, dtype=BF16).transpose(0, 1)
+    got = cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=heads_major)
+    assert got is heads_major
+    torch.testing.assert_close(heads_major, want, **TOLERANCE[BF16])
 
 
 def _mixed_batch(dtype=BF16, block_size=16):
