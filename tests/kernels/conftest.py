@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from kvfleet.kernels import dispatch
+from kvfleet.kernels import cpu_library, dispatch
 
 
 def _poisoned(factory):
@@ -28,6 +28,15 @@ def poison_allocations(monkeypatch):
     kernel forgets to write shows up as NaN instead of passing by luck on zeroed memory."""
     monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+
+
+@pytest.fixture
+def cpu_kernels_enabled(monkeypatch):
+    """The C kernels on (whatever KVFLEET_CPU_KERNELS the run has), and the loaded library
+    dropped afterwards: a test may have built it with a broken compiler or switched it off."""
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+    yield
+    cpu_library.library.cache_clear()
 
 
 @pytest.fixture

@@ -5,12 +5,7 @@ import pytest
 import torch
 from kvfleet.kernels import cpu_argmax, cpu_library, dispatch
 
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled(monkeypatch):
-    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    yield
-    cpu_library.library.cache_clear()
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
 # 49152 is the bundled model's vocabulary (rows x cols past the threshold that wakes the OpenMP

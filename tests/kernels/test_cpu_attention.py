@@ -32,6 +32,8 @@ CASES = [
     (11, 1, 1, 64, 16, BF16, 65),
 ]
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+
 
 def make_inputs(seed, batch, kv_heads, ratio, head_dim, block_size, dtype, max_len):
     gen = torch.Generator().manual_seed(seed)
@@ -40,13 +42,6 @@ def make_inputs(seed, batch, kv_heads, ratio, head_dim, block_size, dtype, max_l
     query = torch.randn((batch, kv_heads * ratio, head_dim), generator=gen).to(dtype)
     k, v = head_major(case.k_cache), head_major(case.v_cache)
     return case, lens, (query, k, v, case.block_tables, case.seq_lens, max(lens), head_dim**-0.5)
-
-
-@pytest.fixture(autouse=True)
-def _kernel_enabled(monkeypatch):
-    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    yield
-    cpu_library.library.cache_clear()  # a test may have built with a broken compiler
 
 
 def test_kernel_builds_here():

@@ -2,14 +2,9 @@
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_cache, cpu_library, reference
+from kvfleet.kernels import cpu_cache, reference
 
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled(monkeypatch):
-    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    yield
-    cpu_library.library.cache_clear()
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
 def caches(num_blocks, block_size, kv_heads, head_dim, dtype, head_major=True):

@@ -8,12 +8,7 @@ from kvfleet.kernels import cpu_elementwise, cpu_library, dispatch, reference
 
 BF16 = torch.bfloat16
 
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled(monkeypatch):
-    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    yield
-    cpu_library.library.cache_clear()
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
 def one_ulp_of(t: torch.Tensor) -> dict:

@@ -10,14 +10,12 @@ from kvfleet.kernels import cpu_linear, dispatch
 
 BF16 = torch.bfloat16
 
-pytestmark = pytest.mark.skipif(
-    not cpu_linear._ops_present(), reason="this torch build or CPU has no oneDNN bf16 GEMM"
-)
-
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled(monkeypatch):
-    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+pytestmark = [
+    pytest.mark.usefixtures("cpu_kernels_enabled"),
+    pytest.mark.skipif(
+        not cpu_linear._ops_present(), reason="this torch build or CPU has no oneDNN bf16 GEMM"
+    ),
+]
 
 
 # Rows as a step sees them: one decode, an odd batch, a full decode batch, a prefill chunk.

@@ -13,16 +13,11 @@ from kernel_cases import (
     head_major,
     paged_case,
 )
-from kvfleet.kernels import cpu_library, cpu_prefill, dispatch, reference
+from kvfleet.kernels import cpu_prefill, dispatch, reference
 
 BF16 = torch.bfloat16
 
-
-@pytest.fixture(autouse=True)
-def _kernel_enabled(monkeypatch):
-    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    yield
-    cpu_library.library.cache_clear()
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
 def _need_amx():
