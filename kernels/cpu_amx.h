@@ -1,5 +1,6 @@
 /* AMX set-up shared by kvfleet's CPU kernels that use tiles (cpu_prefill.c, cpu_attention.c):
- * the per-process permission Linux requires and the one tile shape they all use. HAVE_AMX is
+ * the per-process permission Linux requires, the one tile shape they all use, and their
+ * softmax's rescaling slack. HAVE_AMX is
  * defined where the compiler targets AMX-BF16 (gcc -march=native on Sapphire Rapids and later). */
 #ifndef KVFLEET_CPU_AMX_H
 #define KVFLEET_CPU_AMX_H
@@ -11,6 +12,10 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+/* The attention kernels' conditional rescaling: a running max moves only when a score passes it
+ * by more than this (natural-log units), so probabilities stay below e^8 in between. */
+#define RESCALE_SLACK 8.0f
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18

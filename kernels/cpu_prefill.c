@@ -39,7 +39,6 @@ enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };
 #define TILE_ROWS 16    /* queries per tile, keys per A tile, dims per V^T tile */
 #define KEYS_PER_STEP 32 /* keys per softmax update: two S^T tiles, one P^T tile */
 #define MAX_HEAD_DIM 256
-#define RESCALE_SLACK 8.0f /* natural-log units: probabilities up to e^8 before a rescale */
 
 #ifdef HAVE_AMX
 /* Tiles (configure_tiles): 0, 1 = S^T halves; 2 = A operand; 3 = B operand; 4..7 = O^T (a

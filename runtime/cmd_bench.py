@@ -1,4 +1,4 @@
-"""`kvfleet bench {throughput,serve,kernels}`: speed claims are measured, with their baseline in
+"""`kvfleet bench {throughput,serve,kernels,cpu-kernels}`: speed claims are measured, with their baseline in
 the same run. Each sub-command lives in its own module."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ BENCH_MODULES = (
     "kvfleet.runtime.bench_throughput",
     "kvfleet.runtime.bench_serve",
     "kvfleet.kernels.bench",
+    "kvfleet.kernels.bench_cpu",
 )
 
 
@@ -17,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, kernels",
+        help="benchmarks: throughput, serve, kernels, cpu-kernels",
         description="Measure kvfleet against a baseline in the same run.",
     )
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

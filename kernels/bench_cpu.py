@@ -1,0 +1,272 @@
+"""`kvfleet bench cpu-kernels`: the CPU attention kernels against the paths they replace, in one
+run, at the bundled model's shapes (9 query / 3 KV heads, head_dim 64, 16-token blocks, bf16).
+
+- prefill attention: the AMX kernel (`cpu_prefill`) against the torch reference (SDPA over the
+  gathered paged context, with the additive mask built once, as the engine does), for whole
+  prompts and for suffixes after a cached prefix;
+- decode attention: the C kernel's AMX path against its AVX512-BF16 dot path and the torch
+  reference (gather + batched matmuls), 128 sequences of 100-700 tokens, rotating through
+  enough layer caches that every call reads from memory, not from cache.
+
+Every path's output is checked against the torch reference before it is timed (exit code 1 on a
+mismatch). Times are the minimum over `--iters` calls (this host's speed drifts; the minimum is
+the least disturbed). A path the machine lacks (no AMX, no AVX512-BF16) is reported as null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+# (query tokens, context tokens): whole prompts, then suffixes over a 1024-token cached prefix.
+PREFILL_SHAPES = ((512, 512), (2048, 2048), (272, 1296), (450, 1474))
+DECODE_SEQS, DECODE_MIN_CTX, DECODE_MAX_CTX = 128, 100, 700
+DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past any cache
+VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, float32 accumulation in all
+
+
+class KernelMismatch(AssertionError):
+    """A kernel's output disagrees with the torch reference: its timing would mean nothing."""
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    query_tokens: int
+    context_tokens: int
+    reference_ms: float
+    amx_ms: float | None
+    amx_speedup: float | None
+    amx_tflops: float | None
+
+
+@dataclass(slots=True)
+class DecodeRow:
+    sequences: int
+    context_tokens: int  # summed over the sequences
+    reference_ms: float
+    dot_ms: float | None
+    amx_ms: float | None
+    dot_gbps: float | None
+    amx_gbps: float | None
+    amx_speedup_over_dot: float | None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `cpu-kernels` under `kvfleet bench`."""
+    p = subparsers.add_parser(
+        "cpu-kernels",
+        help="time the CPU attention kernels against the paths they replace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per path (default 10)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.iters < 1:
+        print("kvfleet bench cpu-kernels: --iters must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        report = measure(args.iters)
+    except KernelMismatch as exc:
+        print(f"kvfleet bench cpu-kernels: {exc}", file=sys.stderr)
+        return 1
+    print_report(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def min_ms(call: Callable[[], object], iters: int) -> float:
+    """The fastest of `iters` calls after one untimed call, in milliseconds."""
+    call()
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _verify(torch, name: str, got, want) -> None:
+    try:
+        torch.testing.assert_close(got.float(), want.float(), **VERIFY_TOLERANCE)
+    except AssertionError as exc:
+        raise KernelMismatch(f"{name}: disagrees with the torch reference\n{exc}") from None
+
+
+def _paged_cache(torch, lens: list[int], gen):
+    """Head-major bf16 K/V caches holding sequences of `lens` tokens in shuffled blocks, and
+    their block tables."""
+    from kvfleet.kernels import reference
+
+    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks = sum(blocks)
+    k, v = reference.allocate_kv_cache(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                       torch.bfloat16, "cpu", head_major=True)  # fmt: skip
+    k.copy_(torch.randn(k.shape, generator=gen).to(torch.bfloat16))
+    v.copy_(torch.randn(v.shape, generator=gen).to(torch.bfloat16))
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    return k, v, tables
+
+
+def prefill_row(torch, q_len: int, ctx: int, iters: int) -> PrefillRow:
+    """One prefill shape: the AMX kernel (when available) against the reference's SDPA."""
+    from kvfleet.kernels import cpu_prefill, reference
+
+    gen = torch.Generator().manual_seed(q_len * 7919 + ctx)
+    k, v, tables = _paged_cache(torch, [ctx], gen)
+    q = torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    scale = HEAD_DIM**-0.5
+    mask = reference.context_mask(q_len, ctx, torch.bfloat16, q.device) if ctx > q_len else None
+
+    def ref():
+        return reference.prefill_attention(q, k, v, tables[0], ctx, scale, mask)
+
+    reference_ms = min_ms(ref, iters)
+    amx_ms = tflops = None
+    if cpu_prefill.available() and cpu_prefill.supports(q, k, v):
+
+        def amx():
+            return cpu_prefill.prefill_attention(q, k, v, tables[0], ctx, scale)
+
+        _verify(torch, f"prefill q={q_len} ctx={ctx} (AMX)", amx(), ref())
+        amx_ms = min_ms(amx, iters)
+        # q . k and p . v over the visible (causal) pairs, 2 FLOPs per multiply-add.
+        pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) / 2
+        tflops = 4 * NUM_HEADS * HEAD_DIM * pairs / (amx_ms * 1e-3) / 1e12
+    return PrefillRow(
+        q_len, ctx, reference_ms, amx_ms,
+        reference_ms / amx_ms if amx_ms else None, tflops,
+    )  # fmt: skip
+
+
+def decode_row(
+    torch, iters: int, seqs: int = DECODE_SEQS, layers: int = DECODE_LAYERS
+) -> DecodeRow:
+    """Decode attention over `layers` distinct caches per timed call (a step's worth), per
+    layer: the AMX path, the AVX512-BF16 dot path, and the torch reference."""
+    from kvfleet.kernels import cpu_attention, reference
+
+    rng = random.Random(0)
+    lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
+    gen = torch.Generator().manual_seed(1)
+    caches = [_paged_cache(torch, lens, gen) for _ in range(layers)]
+    q = torch.randn(seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale, max_len = HEAD_DIM**-0.5, max(lens)
+
+    def over_layers(fn):
+        def call():
+            for k, v, tables in caches:
+                fn(q, k, v, tables, seq_lens, max_len, scale)
+
+        return call
+
+    k0, v0, t0 = caches[0]
+    want = reference.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale)
+    # The reference gathers a padded copy per call: a few calls tell its speed.
+    reference_ms = min_ms(over_layers(reference.decode_attention), min(iters, 3)) / layers
+
+    def path_ms(allow_amx: bool) -> float:
+        previous = cpu_attention.ALLOW_AMX
+        cpu_attention.ALLOW_AMX = allow_amx
+        try:
+            got = cpu_attention.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale)
+            _verify(torch, f"decode ({'AMX' if allow_amx else 'dot'} path)", got, want)
+            return min_ms(over_layers(cpu_attention.decode_attention), iters) / layers
+        finally:
+            cpu_attention.ALLOW_AMX = previous
+
+    dot_ms = path_ms(False) if cpu_attention.uses_bf16_dot() else None
+    amx_ms = path_ms(True) if cpu_attention.uses_amx() else None
+    kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+
+    def gbps(ms):
+        return kv_bytes / (ms * 1e-3) / 1e9 if ms else None
+
+    return DecodeRow(
+        seqs, sum(lens), reference_ms, dot_ms, amx_ms, gbps(dot_ms), gbps(amx_ms),
+        dot_ms / amx_ms if dot_ms and amx_ms else None,
+    )  # fmt: skip
+
+
+def read_gbps(torch, iters: int) -> float:
+    """This machine's memory read rate: a float32 sum over 1 GiB (a bf16 sum is bound by its
+    conversion, not by memory)."""
+    x = torch.ones(2**28)
+    return x.numel() * 4 / (min_ms(x.sum, iters) * 1e-3) / 1e9
+
+
+def measure(iters: int) -> dict:
+    import torch
+    from kvfleet.kernels import cpu_attention, cpu_prefill
+
+    return {
+        "device": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "shapes": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "bfloat16",
+        },
+        "amx": cpu_prefill.available(),
+        "avx512_bf16_dot": cpu_attention.uses_bf16_dot(),
+        "verified_against_reference": True,  # every path, before timing (else KernelMismatch)
+        "read_gbps": read_gbps(torch, iters),
+        "prefill": [asdict(prefill_row(torch, q, c, iters)) for q, c in PREFILL_SHAPES],
+        "decode": [asdict(decode_row(torch, iters, DECODE_SEQS, DECODE_LAYERS))],
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def print_report(report: dict) -> None:
+    print(f"device: {report['device']}, {report['threads']} threads, AMX {report['amx']}")
+    print(f"memory read (float32 sum): {report['read_gbps']:.1f} GB/s")
+    print("prefill attention (9 q / 3 kv heads, D=64, bf16), ms per layer")
+    print(f"{'q':>6} {'ctx':>6} {'torch':>8} {'AMX':>8} {'speedup':>8} {'TFLOP/s':>8}")
+    for r in report["prefill"]:
+        print(
+            f"{r['query_tokens']:>6} {r['context_tokens']:>6} {r['reference_ms']:>8.2f} "
+            f"{_fmt(r['amx_ms'], '8.2f')} {_fmt(r['amx_speedup'], '7.2f')}x "
+            f"{_fmt(r['amx_tflops'], '8.2f')}"
+        )
+    print("decode attention, ms per layer (GB/s of K/V read)")
+    for r in report["decode"]:
+        print(
+            f"{r['sequences']} sequences, {r['context_tokens']} context tokens: "
+            f"torch {r['reference_ms']:.2f}, dot {_fmt(r['dot_ms'], '.2f')} "
+            f"({_fmt(r['dot_gbps'], '.1f')}), AMX {_fmt(r['amx_ms'], '.2f')} "
+            f"({_fmt(r['amx_gbps'], '.1f')}), AMX over dot "
+            f"{_fmt(r['amx_speedup_over_dot'], '.2f')}x"
+        )

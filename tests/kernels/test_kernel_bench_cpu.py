@@ -1,0 +1,56 @@
+"""`kvfleet bench cpu-kernels`: every path is checked against the torch reference before it is
+timed, a wrong kernel makes the command fail, and the report says what it measured."""
+
+import json
+
+import pytest
+import torch
+from kvfleet.kernels import bench_cpu, cpu_attention, cpu_prefill
+from kvfleet.runtime.cli import main
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+
+
+def test_prefill_row_times_the_amx_kernel_against_sdpa():
+    row = bench_cpu.prefill_row(torch, 40, 100, iters=1)
+    assert row.query_tokens == 40 and row.context_tokens == 100 and row.reference_ms > 0
+    if cpu_prefill.available():
+        assert row.amx_ms > 0 and row.amx_speedup == pytest.approx(row.reference_ms / row.amx_ms)
+    else:
+        assert row.amx_ms is None and row.amx_speedup is None
+
+
+def test_decode_row_times_each_path_this_cpu_has():
+    row = bench_cpu.decode_row(torch, iters=1, seqs=3, layers=2)
+    assert row.sequences == 3 and row.reference_ms > 0
+    assert (row.dot_ms is not None) == cpu_attention.uses_bf16_dot()
+    assert (row.amx_ms is not None) == cpu_attention.uses_amx()
+    assert cpu_attention.ALLOW_AMX  # restored after timing the dot path
+
+
+def test_a_wrong_kernel_fails_the_benchmark_instead_of_timing_it(monkeypatch, capsys):
+    if not cpu_prefill.available():
+        pytest.skip("no AMX: the prefill kernel is not timed on this CPU")
+    monkeypatch.setattr(bench_cpu, "PREFILL_SHAPES", ((20, 20),))
+    monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda q, *a, **k: torch.zeros_like(q))
+    assert main(["bench", "cpu-kernels", "--iters", "1"]) == 1
+    assert "disagrees with the torch reference" in capsys.readouterr().err
+
+
+def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench_cpu, "PREFILL_SHAPES", ((20, 50),))
+    monkeypatch.setattr(bench_cpu, "DECODE_SEQS", 2)
+    monkeypatch.setattr(bench_cpu, "DECODE_LAYERS", 1)
+    monkeypatch.setattr(bench_cpu, "read_gbps", lambda torch, iters: 1.0)  # a 1 GiB read
+    out = tmp_path / "k.json"
+    assert main(["bench", "cpu-kernels", "--iters", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["verified_against_reference"] is True
+    assert [r["query_tokens"] for r in report["prefill"]] == [20]
+    assert report["decode"][0]["sequences"] == 2
+    assert "prefill attention" in capsys.readouterr().out
+
+
+def test_rejects_zero_iterations(capsys):
+    assert main(["bench", "cpu-kernels", "--iters", "0"]) == 2
+    assert "--iters must be >= 1" in capsys.readouterr().err
