@@ -1,6 +1,6 @@
 """The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_cache.c,
-cpu_elementwise.c and cpu_argmax.c (with their shared headers cpu_math.h and cpu_amx.h), built
-into one shared object.
+cpu_elementwise.c, cpu_argmax.c and cpu_gemm.c (with their shared headers cpu_math.h and
+cpu_amx.h), built into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -33,6 +33,7 @@ _SOURCE_NAMES = (
     "cpu_cache.c",
     "cpu_elementwise.c",
     "cpu_argmax.c",
+    "cpu_gemm.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
 HEADERS = [HERE / "cpu_math.h", HERE / "cpu_amx.h"]
@@ -63,6 +64,9 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_silu_and_mul_bf16": [_p, _i64, _p, _i64, _i, _i],
     # x, x_stride, rows, cols, out, num_threads
     "kvfleet_argmax_f32": [_p, _i64, _i64, _i64, _p, _i],
+    # x, x_stride, packed, bias, out, out_stride, m, n, k, num_threads
+    "kvfleet_linear_amx_bf16": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    "kvfleet_linear_amx": [],
 }  # fmt: skip
 
 

@@ -12,6 +12,10 @@ in its cache. A server's steps have ever-changing row counts (decodes plus promp
 rows are padded up to a bucket (`padded_rows`: up to 15 rows or 1/16 more, 64 buckets up to 2048
 rows) and nearly every step reuses a built kernel.
 
+Decode-sized row counts (up to `cpu_gemm.MAX_ROWS`) go to kvfleet's AMX kernel instead, which
+streams the weight at nearly the host's memory rate where oneDNN reaches about half of it; the
+weight is then held in both layouts (`PackedLinear`), twice its plain size in memory.
+
 float32 and float16 gained nothing from packing here, so they keep the plain weight and
 `F.linear`. The packed ops are the ones PyTorch's own compiler uses for frozen CPU models
 (`torch.ops.mkldnn`); where a build lacks them, or `KVFLEET_CPU_KERNELS=0`, weights stay plain.
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
+from kvfleet.kernels import cpu_gemm
 
 
 @functools.cache
@@ -51,9 +57,23 @@ def supports(weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout: an opaque tensor only `linear` below can read."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+@dataclass(slots=True, eq=False)
+class PackedLinear:
+    """A bf16 [out_features, in_features] weight in the layouts `linear` reads: oneDNN's blocked
+    one (an opaque tensor) and, where the AMX kernel runs and takes the shape, AMX tile order."""
+
+    onednn: torch.Tensor
+    tiles: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+
+def pack(weight: torch.Tensor) -> PackedLinear:
+    """The weight in the layouts `linear` below reads."""
+    plain = weight.detach().contiguous()
+    tiles = cpu_gemm.pack(plain) if cpu_gemm.supports(plain) and cpu_gemm.available() else None
+    onednn = torch.ops.mkldnn._reorder_linear_weight(plain)
+    return PackedLinear(onednn, tiles, plain.shape[0], plain.shape[1])
 
 
 def padded_rows(rows: int) -> int:
@@ -63,10 +83,13 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed` came from; x is [..., in_features]."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
+    if packed.tiles is not None and rows <= cpu_gemm.MAX_ROWS:
+        out = cpu_gemm.linear(flat.contiguous(), packed.tiles, bias)
+        return out.view(*x.shape[:-1], packed.out_features)
     padded = padded_rows(rows)
     if padded != rows:
         # Rows are independent in a GEMM: the padding rows' (uninitialised) values only reach
@@ -74,5 +97,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         buf = torch.empty(padded, flat.shape[1], dtype=flat.dtype)
         buf[:rows] = flat
         flat = buf
-    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed.onednn, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])

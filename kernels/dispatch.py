@@ -1,6 +1,7 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
-(cpu_attention, cpu_prefill, cpu_cache, cpu_elementwise, cpu_argmax) and oneDNN's prepacked
-bf16 GEMMs (cpu_linear) where they take the inputs, else the torch reference.
+(cpu_attention, cpu_prefill, cpu_cache, cpu_elementwise, cpu_argmax) and prepacked bf16 GEMMs
+(cpu_linear: oneDNN's, and cpu_gemm's AMX kernel for decode-sized steps) where they take the
+inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -85,18 +86,23 @@ def allocate_kv_cache(
     )
 
 
-def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The form of a [out, in] projection weight that `linear` runs fastest: oneDNN's prepacked
-    layout for bf16 CPU weights (an opaque tensor; the plain one can then be freed), else the
-    weight itself. Call once, after the weights are loaded."""
+def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinear:
+    """The form of a [out, in] projection weight that `linear` runs fastest: for bf16 CPU
+    weights a `cpu_linear.PackedLinear` (oneDNN's blocked layout, plus AMX tile order where
+    that kernel runs; the plain weight can then be freed), else the weight itself. Call once,
+    after the weights are loaded."""
     if cpu_linear.supports(weight) and cpu_linear.available():
         return cpu_linear.pack(weight)
     return weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | cpu_linear.PackedLinear,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned."""
-    if weight.is_mkldnn:
+    if isinstance(weight, cpu_linear.PackedLinear):
         return cpu_linear.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

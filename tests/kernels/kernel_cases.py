@@ -4,6 +4,7 @@ boundaries, and block tables drawn from a random permutation of the physical blo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from kvfleet.kernels import reference
@@ -15,6 +16,17 @@ TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
     torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
 }
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none): tests assert
+    that a kernel runs wherever the CPU can run it, so its cases never skip silently."""
+    info = Path("/proc/cpuinfo")
+    return set(info.read_text().split()) if info.exists() else set()
+
+
+def cpu_has_amx() -> bool:
+    return {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
 @dataclass(slots=True)

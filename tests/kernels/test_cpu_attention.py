@@ -2,7 +2,6 @@
 plus its fallbacks: disabled by KVFLEET_CPU_KERNELS=0, or unbuildable (broken compiler)."""
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +9,8 @@ from kernel_cases import (
     TOLERANCE,
     attention_metadata,
     contiguous_context,
+    cpu_flags,
+    cpu_has_amx,
     dense_attention,
     head_major,
     paged_case,
@@ -52,15 +53,13 @@ def test_kernel_builds_here():
 def test_bf16_dot_path_built_where_the_cpu_has_it():
     """On a CPU with AVX512-BF16 the bf16 cases above run the dot-product path, not the
     widening one: -march=native must have enabled it."""
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert cpu_attention.uses_bf16_dot() == ("avx512_bf16" in flags)
+    assert cpu_attention.uses_bf16_dot() == ("avx512_bf16" in cpu_flags())
 
 
 def test_amx_path_where_the_cpu_has_it():
     """bf16 caches with head_dim 64 run on AMX tiles wherever the CPU has AMX-BF16, so the
     `amx` cases below test that path there (and the dot path when it is turned off)."""
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert cpu_attention.uses_amx() == ("amx_bf16" in flags and "amx_tile" in flags)
+    assert cpu_attention.uses_amx() == cpu_has_amx()
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])

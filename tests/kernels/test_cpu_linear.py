@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfleet.kernels import cpu_linear, dispatch
+from kvfleet.kernels import cpu_gemm, cpu_linear, dispatch
 
 BF16 = torch.bfloat16
 
@@ -18,23 +18,28 @@ pytestmark = [
 ]
 
 
-# Rows as a step sees them: one decode, an odd batch, a full decode batch, a prefill chunk.
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+# Rows as a step sees them that oneDNN runs (fewer go to the AMX kernel where the CPU has one,
+# tested in test_cpu_gemm.py): one decode, an odd batch, a decode batch, a prefill chunk.
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_gives_f_linear_numbers(rows, out_features, in_features, with_bias):
+def test_packed_linear_gives_f_linear_numbers(
+    monkeypatch, rows, out_features, in_features, with_bias
+):
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)  # every row count on oneDNN
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen).to(BF16)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(BF16)
     b = torch.randn(out_features, generator=gen).to(BF16) if with_bias else None
     packed = dispatch.prepack_linear_weight(w)
-    assert packed.is_mkldnn
+    assert isinstance(packed, cpu_linear.PackedLinear) and packed.onednn.is_mkldnn
     got = dispatch.linear(x, packed, b)
     assert got.dtype == BF16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=0)
 
 
-def test_packed_linear_takes_strided_and_batched_inputs():
+def test_packed_linear_takes_strided_and_batched_inputs(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 64, generator=gen).to(BF16)
     packed = dispatch.prepack_linear_weight(w)

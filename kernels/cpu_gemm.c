@@ -1,0 +1,148 @@
+/* bf16 projections with few rows (decode steps) on AMX tiles: out = x · Wᵀ + bias.
+ *
+ * Why: at 16-64 rows a projection is a stream of its weight, 2 bytes per parameter read once.
+ * oneDNN's kernels for these shapes read the bundled model's weights at 10-17 GB/s on the 2-core
+ * host, against the ~28 GB/s it can stream, and a decode step's projections took longer than the
+ * step's attention. Here the weight is prepacked into the exact bytes of AMX B tiles, in the
+ * order they are used, so each thread streams one contiguous range of memory and every 1 KiB it
+ * reads feeds one or two tile multiplies straight away.
+ *
+ * Layout of the packed weight (cpu_gemm.pack): for column block nb (16 output features) and
+ * K step kt (32 input features), one 16 x 64-byte B tile whose row r holds, for each of the 16
+ * columns c, the pair W[nb*16+c][kt*32+2r .. +1] (AMX's "VNNI" pairs). Tiles go nb-major, so
+ * one column block's whole K is contiguous.
+ *
+ * Rows are processed in panels of 32 (two A tiles) against pairs of column blocks: four C tiles
+ * accumulate in registers over all of K and are written once, with the bias, as bf16. A thread
+ * owns a contiguous range of column-block pairs and walks every row panel over it, so a pair's
+ * weight comes from memory once and from cache for the other panels. */
+#include "cpu_amx.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };
+
+#define TILE_ROWS 16
+#define TILE_K 32                             /* bf16 input features per tile row */
+#define TILE_COLS 16                          /* output features per tile (float32 lanes) */
+#define TILE_ELEMS (TILE_ROWS * TILE_K)       /* bf16 elements in an A or B tile */
+#define PAIR_COLS (2 * TILE_COLS)             /* a thread's unit: two column blocks */
+#define PANEL_ROWS (2 * TILE_ROWS)            /* rows of a panel: two A tiles */
+
+#ifdef HAVE_AMX
+/* Round-to-nearest-even float32 -> bf16 of 16 values plus their bias, stored to `dst`. */
+static inline void store_row(uint16_t *dst, const float *acc, const float *bias) {
+    __m512 v = _mm512_loadu_ps(acc);
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* A C tile stored to scratch (16 x 16 float32) -> its first `rows` rows of out, as bf16. */
+static void write_tile(float *scratch, uint16_t *out, int64_t out_stride, int rows,
+                       const float *bias) {
+    for (int r = 0; r < rows; r++)
+        store_row(out + r * out_stride, scratch + r * TILE_COLS, bias);
+}
+
+/* One 32-column unit (column blocks b0 = packed tiles at w, b1 = w + ksteps tiles) for a panel
+ * of `rows` <= 32 rows of the padded input a (row stride lda elements). */
+static void panel(const uint16_t *a, int64_t lda, int rows, const uint16_t *w, int64_t ksteps,
+                  uint16_t *out, int64_t out_stride, const float *bias, float *scratch) {
+    const uint16_t *w1 = w + ksteps * TILE_ELEMS;
+    const int stride = (int)(lda * sizeof(uint16_t));
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > TILE_ROWS) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kt = 0; kt < ksteps; kt++) {
+            _tile_loadd(4, a + kt * TILE_K, stride);
+            _tile_loadd(6, w + kt * TILE_ELEMS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w1 + kt * TILE_ELEMS, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a + TILE_ROWS * lda + kt * TILE_K, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t kt = 0; kt < ksteps; kt++) {
+            _tile_loadd(6, w + kt * TILE_ELEMS, 64);
+            _tile_loadd(7, w1 + kt * TILE_ELEMS, 64);
+            _tile_loadd(4, a + kt * TILE_K, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    const int top = rows < TILE_ROWS ? rows : TILE_ROWS;
+    _tile_stored(0, scratch, 64);
+    write_tile(scratch, out, out_stride, top, bias);
+    _tile_stored(1, scratch, 64);
+    write_tile(scratch, out + TILE_COLS, out_stride, top, bias ? bias + TILE_COLS : NULL);
+    if (rows > TILE_ROWS) {
+        uint16_t *low = out + TILE_ROWS * out_stride;
+        _tile_stored(2, scratch, 64);
+        write_tile(scratch, low, out_stride, rows - TILE_ROWS, bias);
+        _tile_stored(3, scratch, 64);
+        write_tile(scratch, low + TILE_COLS, out_stride, rows - TILE_ROWS,
+                   bias ? bias + TILE_COLS : NULL);
+    }
+}
+
+#endif
+
+/* out[m, n] (bf16, row stride out_stride) = x[m, k] (bf16, row stride x_stride) · Wᵀ + bias
+ * (float32 or NULL), W packed by kvfleet_pack_linear_amx. */
+int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                            const float *bias, uint16_t *out, int64_t out_stride, int64_t m,
+                            int64_t n, int64_t k, int num_threads) {
+#ifdef HAVE_AMX
+    if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
+    if (!amx_permitted()) return ERR_NO_AMX;
+    /* A tiles read 16 full rows: copy x into a zero-padded buffer of whole tiles (at most a
+     * few hundred KiB, and read from cache by every unit). */
+    const int64_t mpad = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    uint16_t *a = aligned_alloc(64, (size_t)(mpad * k * sizeof(uint16_t) + 63) / 64 * 64);
+    if (!a) return ERR_NOMEM;
+    for (int64_t r = 0; r < m; r++) memcpy(a + r * k, x + r * x_stride, k * sizeof(uint16_t));
+    memset(a + m * k, 0, (size_t)((mpad - m) * k) * sizeof(uint16_t));
+
+    const int64_t ksteps = k / TILE_K, units = n / PAIR_COLS;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > units) num_threads = (int)units;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float scratch[TILE_ROWS * TILE_COLS] __attribute__((aligned(64)));
+        configure_tiles();
+        /* Contiguous unit ranges: each thread streams one stretch of the packed weight. */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const uint16_t *w = packed + u * 2 * ksteps * TILE_ELEMS;
+            const float *b = bias ? bias + u * PAIR_COLS : NULL;
+            for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROWS) {
+                const int rows = (int)(m - r0 < PANEL_ROWS ? m - r0 : PANEL_ROWS);
+                panel(a + r0 * k, k, rows, w, ksteps, out + r0 * out_stride + u * PAIR_COLS,
+                      out_stride, b, scratch);
+            }
+        }
+        _tile_release();
+    }
+    free(a);
+    return OK;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)m,
+        (void)n, (void)k, (void)num_threads;
+    return ERR_NO_AMX;
+#endif
+}
+
+/* 1 where kvfleet_linear_amx_bf16 runs here: built for AMX and granted the tile state. */
+int kvfleet_linear_amx(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,74 @@
+"""bf16 projections with few rows on AMX tiles (kernels/cpu_gemm.c): a decode step's GEMMs.
+
+At decode-sized row counts a projection streams its weight once and does little arithmetic per
+byte; oneDNN's kernels for those shapes read the weight at about half the rate the host can
+stream. The C kernel reads weights prepacked (`pack`) into the byte order of AMX B tiles, in
+the order it uses them. Same numbers as oneDNN up to float32 summation order: both multiply
+bf16 pairs exactly and accumulate in float32, and both round the result to bf16 once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from kvfleet.kernels import cpu_library
+
+# Row counts at which this kernel beats oneDNN's on the AMX host (`kvfleet bench cpu-kernels`);
+# beyond it the GEMM turns compute-bound and oneDNN's blocking wins.
+MAX_ROWS = 48
+# Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
+COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
+
+
+@functools.cache
+def _amx_present() -> bool:
+    return bool(cpu_library.library().kvfleet_linear_amx())
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the C library built for AMX and the tile state granted."""
+    return cpu_library.available() and _amx_present()
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether `pack` takes this [out_features, in_features] weight: bf16 on CPU, with
+    out_features a multiple of 32 and in_features a multiple of 32."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % COLUMN_MULTIPLE == 0
+        and weight.shape[1] % INNER_MULTIPLE == 0
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 16, 32]: per 16-column block and 32-deep K step, one B tile whose
+    row r holds each column's pair of inputs (2r, 2r+1) side by side."""
+    n, k = weight.shape
+    tiles = weight.detach().reshape(n // 16, 16, k // 32, 16, 2)  # [nb, c, kt, r, pair]
+    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the weight `packed` came from; x is bf16 [rows, K] with
+    contiguous rows."""
+    rows, k = x.shape
+    n = packed.shape[0] * 16
+    if k != packed.shape[1] * 32 or x.stride(1) != 1:
+        raise ValueError(
+            f"AMX linear: input {tuple(x.shape)} does not fit a weight of [{n}, "
+            f"{packed.shape[1] * 32}] or its rows are strided"
+        )
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    if rows == 0:
+        return out
+    b = bias.float().contiguous() if bias is not None else None
+    status = cpu_library.library().kvfleet_linear_amx_bf16(
+        x.data_ptr(), x.stride(0), packed.data_ptr(), b.data_ptr() if b is not None else None,
+        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"AMX linear kernel failed with status {status} for x {tuple(x.shape)}")
+    return out

@@ -1,0 +1,121 @@
+"""The AMX projection kernel for decode-sized row counts (kernels/cpu_gemm.c) against a float64
+matmul, and the dispatch that sends a step's GEMMs to it or to oneDNN by row count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import cpu_has_amx
+from kvfleet.kernels import cpu_gemm, cpu_linear, dispatch
+
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+
+
+def _need_amx():
+    if not cpu_gemm.available():
+        pytest.skip("this CPU or build has no AMX (test_amx_where_the_cpu_has_it checks which)")
+
+
+def _bf16_exact(x, w, bias):
+    """x · wᵀ + bias in float64 (exact for bf16 products), rounded once to bf16."""
+    ref = x.double() @ w.double().T
+    if bias is not None:
+        ref += bias.double()
+    return ref
+
+
+def _assert_one_rounding(got, exact):
+    """Every element is the bf16 rounding of the exact value or its neighbour (float32
+    accumulation may land a value just across a rounding boundary), and nearly all are the
+    rounding itself: a misplaced pair, column or row would be off by far more."""
+    want = exact.to(BF16)
+    ulp = (want.float().abs() * 2.0**-7).clamp_min(2.0**-126)
+    assert ((got.float() - exact.float()).abs() <= ulp + 1e-6).all()
+    assert (got == want).float().mean() > 0.97
+
+
+def test_amx_where_the_cpu_has_it():
+    """The kernel runs wherever the CPU has AMX-BF16, so the cases below cannot skip silently
+    on such a machine."""
+    assert cpu_gemm.available() == cpu_has_amx()
+
+
+# Rows: a lone decode, a ragged tile, exactly one and two A tiles, a ragged second panel, and
+# the largest count dispatch sends here. Shapes: the bundled model's qkv, o, down; one pair of
+# column tiles with the shortest K.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 47, cpu_gemm.MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (576, 1536), (32, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_is_the_rounded_exact_product(poison_allocations, rows, n, k, with_bias):
+    _need_amx()
+    gen = torch.Generator().manual_seed(rows * 7919 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    bias = torch.randn(n, generator=gen).to(BF16) if with_bias else None
+    got = cpu_gemm.linear(x, cpu_gemm.pack(w), bias)
+    assert got.dtype == BF16 and got.shape == (rows, n)
+    _assert_one_rounding(got, _bf16_exact(x, w, bias))
+
+
+def test_amx_linear_reads_strided_rows_and_writes_nothing_else():
+    """A view into a wider buffer (the q slice of a fused qkv output) is read at its stride."""
+    _need_amx()
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(20, 96, generator=gen).to(BF16)
+    x = wide[:, 32:]
+    w = torch.randn(64, 64, generator=gen).to(BF16)
+    _assert_one_rounding(cpu_gemm.linear(x, cpu_gemm.pack(w)), _bf16_exact(x, w, None))
+
+
+def test_amx_linear_rejects_a_mismatched_input():
+    _need_amx()
+    packed = cpu_gemm.pack(torch.zeros(32, 64, dtype=BF16))
+    with pytest.raises(ValueError, match=r"input \(4, 32\) does not fit a weight of \[32, 64\]"):
+        cpu_gemm.linear(torch.zeros(4, 32, dtype=BF16), packed)
+
+
+def test_amx_linear_of_no_rows_is_empty():
+    _need_amx()
+    packed = cpu_gemm.pack(torch.zeros(32, 64, dtype=BF16))
+    assert cpu_gemm.linear(torch.zeros(0, 64, dtype=BF16), packed).shape == (0, 32)
+
+
+def test_pack_places_each_pair_where_the_tile_reads_it():
+    """Tile (nb, kt), row r, lane 2c + p holds W[16·nb + c, 32·kt + 2r + p]."""
+    w = torch.arange(64 * 96, dtype=torch.float32).reshape(64, 96).to(BF16)
+    packed = cpu_gemm.pack(w)
+    assert packed.shape == (4, 3, 16, 32)
+    for nb, kt, r, c, p in [(0, 0, 0, 0, 0), (1, 2, 5, 3, 1), (3, 1, 15, 15, 0), (2, 2, 7, 9, 1)]:
+        assert packed[nb, kt, r, 2 * c + p] == w[16 * nb + c, 32 * kt + 2 * r + p]
+
+
+@pytest.mark.parametrize("rows", [1, cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1, 300])
+def test_dispatch_sends_decode_rows_to_amx_and_the_rest_to_onednn(monkeypatch, rows):
+    """Up to MAX_ROWS rows run the AMX kernel; more run oneDNN, whose numbers are F.linear's
+    to the bit (the same kernel on the same weight bytes)."""
+    _need_amx()
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(960, 576, generator=gen) * 0.05).to(BF16)
+    x = torch.randn(2, rows, 576, generator=gen).to(BF16)[0]
+    packed = dispatch.prepack_linear_weight(w)
+    assert isinstance(packed, cpu_linear.PackedLinear) and packed.tiles is not None
+    calls = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda *a: calls.append(a) or real(*a))
+    got = dispatch.linear(x, packed)
+    if rows <= cpu_gemm.MAX_ROWS:
+        assert len(calls) == 1
+        _assert_one_rounding(got, _bf16_exact(x, w, None))
+    else:
+        assert not calls
+        assert torch.equal(got, F.linear(x, w))
+
+
+def test_shapes_the_kernel_does_not_take_stay_on_onednn():
+    """Output features must pair up into 32-column units; others keep only oneDNN's layout."""
+    w = torch.randn(48, 64).to(BF16)
+    packed = dispatch.prepack_linear_weight(w)
+    assert isinstance(packed, cpu_linear.PackedLinear) and packed.tiles is None
+    x = torch.randn(3, 64).to(BF16)
+    assert torch.equal(dispatch.linear(x, packed), F.linear(x, w))
