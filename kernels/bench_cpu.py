@@ -1,12 +1,16 @@
-"""`kvfleet bench cpu-kernels`: the CPU attention kernels against the paths they replace, in one
-run, at the bundled model's shapes (9 query / 3 KV heads, head_dim 64, 16-token blocks, bf16).
+"""`kvfleet bench cpu-kernels`: the CPU kernels against the paths they replace, in one run, at
+the bundled model's shapes (9 query / 3 KV heads, head_dim 64, 16-token blocks, hidden 576,
+intermediate 1536, vocab 49152, 30 layers, bf16).
 
 - prefill attention: the AMX kernel (`cpu_prefill`) against the torch reference (SDPA over the
   gathered paged context, with the additive mask built once, as the engine does), for whole
   prompts and for suffixes after a cached prefix;
 - decode attention: the C kernel's AMX path against its AVX512-BF16 dot path and the torch
   reference (gather + batched matmuls), 128 sequences of 100-700 tokens, rotating through
-  enough layer caches that every call reads from memory, not from cache.
+  enough layer caches that every call reads from memory, not from cache;
+- projections: a step's GEMMs (30 layers' distinct qkv, o, gate_up and down weights, then the
+  LM head) at decode-sized row counts, the AMX kernel (`cpu_gemm`) against oneDNN on its
+  prepacked weight (`cpu_linear`), both timed on every row count to show where each wins.
 
 Every path's output is checked against the torch reference before it is timed (exit code 1 on a
 mismatch). Times are the minimum over `--iters` calls (this host's speed drifts; the minimum is
@@ -28,6 +32,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 PREFILL_SHAPES = ((512, 512), (2048, 2048), (272, 1296), (450, 1474))
 DECODE_SEQS, DECODE_MIN_CTX, DECODE_MAX_CTX = 128, 100, 700
 DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past any cache
+HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
+GEMM_ROWS = (1, 16, 32, 48, 64, 128)
+GEMM_LAYERS = 30  # distinct weights per timed step: 212 MB, as the model streams them
 VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, float32 accumulation in all
 
 
@@ -57,11 +64,22 @@ class DecodeRow:
     amx_speedup_over_dot: float | None
 
 
+@dataclass(slots=True)
+class GemmRow:
+    rows: int
+    weight_mb: float  # read per step: every layer's projections and the LM head
+    onednn_ms: float
+    amx_ms: float | None
+    onednn_gbps: float
+    amx_gbps: float | None
+    amx_speedup: float | None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `cpu-kernels` under `kvfleet bench`."""
     p = subparsers.add_parser(
         "cpu-kernels",
-        help="time the CPU attention kernels against the paths they replace",
+        help="time the CPU kernels against the paths they replace",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -205,6 +223,65 @@ def decode_row(
     )  # fmt: skip
 
 
+def gemm_weights(torch, layers: int):
+    """`layers` layers' projection weights and an LM head, each packed for `dispatch.linear`,
+    with their plain [out, in] shapes."""
+    from kvfleet.kernels import cpu_linear
+
+    gen = torch.Generator().manual_seed(2)
+    qkv = (HIDDEN + 2 * NUM_KV_HEADS * HEAD_DIM, HIDDEN)
+    layer = [
+        qkv,
+        (HIDDEN, NUM_HEADS * HEAD_DIM),
+        (2 * INTERMEDIATE, HIDDEN),
+        (HIDDEN, INTERMEDIATE),
+    ]
+    shapes = layer * layers + [(VOCAB, HIDDEN)]
+    plain = [(torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16) for shape in shapes]
+    return plain, [cpu_linear.pack(w) for w in plain]
+
+
+def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
+    """One step's projections at `rows` rows: oneDNN and (where it runs) the AMX kernel."""
+    from kvfleet.kernels import cpu_gemm, cpu_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    inputs = {
+        k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)
+    }
+    # What `cpu_linear.linear` runs without the AMX kernel (row buckets included).
+    onednn_only = [
+        cpu_linear.PackedLinear(p.onednn, None, p.out_features, p.in_features) for p in packed
+    ]
+
+    def onednn_step():
+        for p in onednn_only:
+            cpu_linear.linear(inputs[p.in_features], p)
+
+    def amx_step():
+        for p in packed:
+            cpu_gemm.linear(inputs[p.in_features], p.tiles)
+
+    weight_bytes = sum(w.numel() * 2 for w in plain)
+    onednn_ms = min_ms(onednn_step, iters)
+    amx_ms = None
+    if all(p.tiles is not None for p in packed):
+        for w, p in zip(plain[:4] + plain[-1:], packed[:4] + packed[-1:], strict=True):
+            x = inputs[w.shape[1]]
+            got = cpu_gemm.linear(x, p.tiles)
+            want = torch.nn.functional.linear(x, w)
+            _verify(torch, f"projection {tuple(w.shape)} at {rows} rows (AMX)", got, want)
+        amx_ms = min_ms(amx_step, iters)
+
+    def gbps(ms):
+        return weight_bytes / (ms * 1e-3) / 1e9 if ms else None
+
+    return GemmRow(
+        rows, weight_bytes / 1e6, onednn_ms, amx_ms, gbps(onednn_ms), gbps(amx_ms),
+        onednn_ms / amx_ms if amx_ms else None,
+    )  # fmt: skip
+
+
 def read_gbps(torch, iters: int) -> float:
     """This machine's memory read rate: a float32 sum over 1 GiB (a bf16 sum is bound by its
     conversion, not by memory)."""
@@ -232,7 +309,18 @@ def measure(iters: int) -> dict:
         "read_gbps": read_gbps(torch, iters),
         "prefill": [asdict(prefill_row(torch, q, c, iters)) for q, c in PREFILL_SHAPES],
         "decode": [asdict(decode_row(torch, iters, DECODE_SEQS, DECODE_LAYERS))],
+        "projections": gemm_rows(torch, iters),
     }
+
+
+def gemm_rows(torch, iters: int) -> list[dict]:
+    """The projection rows, or none where oneDNN's bf16 GEMM is missing (nothing to compare)."""
+    from kvfleet.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        return []
+    plain, packed = gemm_weights(torch, GEMM_LAYERS)
+    return [asdict(gemm_row(torch, rows, plain, packed, iters)) for rows in GEMM_ROWS]
 
 
 def _cpu_name() -> str:
@@ -270,3 +358,12 @@ def print_report(report: dict) -> None:
             f"({_fmt(r['amx_gbps'], '.1f')}), AMX over dot "
             f"{_fmt(r['amx_speedup_over_dot'], '.2f')}x"
         )
+    if report["projections"]:
+        print("projections per step (30 layers + LM head), ms (GB/s of weights read)")
+        print(f"{'rows':>6} {'oneDNN':>15} {'AMX':>15} {'speedup':>8}")
+        for r in report["projections"]:
+            print(
+                f"{r['rows']:>6} {r['onednn_ms']:>7.2f} ({r['onednn_gbps']:>4.1f}) "
+                f"{_fmt(r['amx_ms'], '7.2f')} ({_fmt(r['amx_gbps'], '4.1f')}) "
+                f"{_fmt(r['amx_speedup'], '7.2f')}x"
+            )

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from kvfleet.kernels import bench_cpu, cpu_attention, cpu_prefill
+from kvfleet.kernels import bench_cpu, cpu_attention, cpu_gemm, cpu_prefill
 from kvfleet.runtime.cli import main
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
@@ -41,6 +41,8 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench_cpu, "PREFILL_SHAPES", ((20, 50),))
     monkeypatch.setattr(bench_cpu, "DECODE_SEQS", 2)
     monkeypatch.setattr(bench_cpu, "DECODE_LAYERS", 1)
+    monkeypatch.setattr(bench_cpu, "GEMM_LAYERS", 1)
+    monkeypatch.setattr(bench_cpu, "GEMM_ROWS", (4,))
     monkeypatch.setattr(bench_cpu, "read_gbps", lambda torch, iters: 1.0)  # a 1 GiB read
     out = tmp_path / "k.json"
     assert main(["bench", "cpu-kernels", "--iters", "1", "--json", str(out)]) == 0
@@ -48,9 +50,36 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     assert report["verified_against_reference"] is True
     assert [r["query_tokens"] for r in report["prefill"]] == [20]
     assert report["decode"][0]["sequences"] == 2
+    assert [r["rows"] for r in report["projections"]] == [4]
     assert "prefill attention" in capsys.readouterr().out
 
 
 def test_rejects_zero_iterations(capsys):
     assert main(["bench", "cpu-kernels", "--iters", "0"]) == 2
     assert "--iters must be >= 1" in capsys.readouterr().err
+
+
+def test_gemm_row_times_onednn_and_the_amx_kernel_on_a_steps_weights():
+    plain, packed = bench_cpu.gemm_weights(torch, layers=1)
+    assert [tuple(w.shape) for w in plain] == [(960, 576), (576, 576), (3072, 576), (576, 1536),
+                                              (49152, 576)]  # fmt: skip
+    row = bench_cpu.gemm_row(torch, 32, plain, packed, iters=1)
+    assert row.rows == 32 and row.onednn_ms > 0
+    assert row.weight_mb == pytest.approx(sum(w.numel() for w in plain) * 2 / 1e6)
+    if cpu_gemm.available():
+        assert row.amx_ms > 0 and row.amx_speedup == pytest.approx(row.onednn_ms / row.amx_ms)
+    else:
+        assert row.amx_ms is None
+
+
+def test_a_wrong_projection_kernel_fails_the_benchmark(monkeypatch):
+    if not cpu_gemm.available():
+        pytest.skip("no AMX: the projection kernel is not timed on this CPU")
+    plain, packed = bench_cpu.gemm_weights(torch, layers=1)
+
+    def zeros(x, tiles, bias=None):
+        return torch.zeros(x.shape[0], tiles.shape[0] * 16, dtype=x.dtype)
+
+    monkeypatch.setattr(cpu_gemm, "linear", zeros)
+    with pytest.raises(bench_cpu.KernelMismatch, match=r"projection \(960, 576\) at 16 rows"):
+        bench_cpu.gemm_row(torch, 16, plain, packed, iters=1)
