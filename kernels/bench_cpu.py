@@ -33,7 +33,7 @@ PREFILL_SHAPES = ((512, 512), (2048, 2048), (272, 1296), (450, 1474))
 DECODE_SEQS, DECODE_MIN_CTX, DECODE_MAX_CTX = 128, 100, 700
 DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past any cache
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
-GEMM_ROWS = (1, 16, 32, 48, 64, 128)
+GEMM_ROWS = (1, 16, 32, 48, 64, 96, 128, 256)
 GEMM_LAYERS = 30  # distinct weights per timed step: 212 MB, as the model streams them
 VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, float32 accumulation in all
 

@@ -1,11 +1,12 @@
 /* bf16 projections with few rows (decode steps) on AMX tiles: out = x · Wᵀ + bias.
  *
- * Why: at 16-64 rows a projection is a stream of its weight, 2 bytes per parameter read once.
- * oneDNN's kernels for these shapes read the bundled model's weights at 10-17 GB/s on the 2-core
- * host, against the ~28 GB/s it can stream, and a decode step's projections took longer than the
- * step's attention. Here the weight is prepacked into the exact bytes of AMX B tiles, in the
- * order they are used, so each thread streams one contiguous range of memory and every 1 KiB it
- * reads feeds one or two tile multiplies straight away.
+ * Why: at up to ~100 rows a projection is a stream of its weight, 2 bytes per parameter read
+ * once per step. oneDNN's kernels for these shapes read the bundled model's weights at 8-15
+ * GB/s on the 2-core host (30 layers' distinct weights), well under what it can stream. Here
+ * the weight is prepacked into the exact bytes of AMX B tiles, in the order they are used, so
+ * each thread streams one contiguous range of memory and every 1 KiB it reads feeds two tile
+ * multiplies per 16 rows at once (`kvfleet bench cpu-kernels`: 1.2-2x oneDNN up to 48 rows,
+ * 1.1x at 64-96, slower from 128, where cpu_gemm.MAX_ROWS hands over to oneDNN).
  *
  * Layout of the packed weight (cpu_gemm.pack): for column block nb (16 output features) and
  * K step kt (32 input features), one 16 x 64-byte B tile whose row r holds, for each of the 16
@@ -15,7 +16,9 @@
  * Rows are processed in panels of 32 (two A tiles) against pairs of column blocks: four C tiles
  * accumulate in registers over all of K and are written once, with the bias, as bf16. A thread
  * owns a contiguous range of column-block pairs and walks every row panel over it, so a pair's
- * weight comes from memory once and from cache for the other panels. */
+ * weight comes from memory once and from cache for the other panels. Tried and slower: four
+ * row tiles sharing each B tile (more A loads per multiply), 16-row panels, software prefetch
+ * of the B streams (no better than the hardware's). */
 #include "cpu_amx.h"
 
 #include <stdint.h>
@@ -47,31 +50,33 @@ static void write_tile(float *scratch, uint16_t *out, int64_t out_stride, int ro
 }
 
 /* One 32-column unit (column blocks b0 = packed tiles at w, b1 = w + ksteps tiles) for a panel
- * of `rows` <= 32 rows of the padded input a (row stride lda elements). */
-static void panel(const uint16_t *a, int64_t lda, int rows, const uint16_t *w, int64_t ksteps,
+ * of `rows` <= 32 rows of the input in A-tile order (a: this panel's first row tile, its K
+ * steps' tiles contiguous, then the second row tile's). */
+static void panel(const uint16_t *a, int rows, const uint16_t *w, int64_t ksteps,
                   uint16_t *out, int64_t out_stride, const float *bias, float *scratch) {
-    const uint16_t *w1 = w + ksteps * TILE_ELEMS;
-    const int stride = (int)(lda * sizeof(uint16_t));
+    const uint16_t *w1 = w + ksteps * TILE_ELEMS, *a1 = a + ksteps * TILE_ELEMS;
     _tile_zero(0);
     _tile_zero(1);
     if (rows > TILE_ROWS) {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kt = 0; kt < ksteps; kt++) {
-            _tile_loadd(4, a + kt * TILE_K, stride);
-            _tile_loadd(6, w + kt * TILE_ELEMS, 64);
+            const int64_t at = kt * TILE_ELEMS;
+            _tile_loadd(4, a + at, 64);
+            _tile_loadd(6, w + at, 64);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, w1 + kt * TILE_ELEMS, 64);
+            _tile_loadd(7, w1 + at, 64);
             _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, a + TILE_ROWS * lda + kt * TILE_K, stride);
+            _tile_loadd(5, a1 + at, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
     } else {
         for (int64_t kt = 0; kt < ksteps; kt++) {
-            _tile_loadd(6, w + kt * TILE_ELEMS, 64);
-            _tile_loadd(7, w1 + kt * TILE_ELEMS, 64);
-            _tile_loadd(4, a + kt * TILE_K, stride);
+            const int64_t at = kt * TILE_ELEMS;
+            _tile_loadd(6, w + at, 64);
+            _tile_loadd(7, w1 + at, 64);
+            _tile_loadd(4, a + at, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
         }
@@ -101,15 +106,26 @@ int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t 
 #ifdef HAVE_AMX
     if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
     if (!amx_permitted()) return ERR_NO_AMX;
-    /* A tiles read 16 full rows: copy x into a zero-padded buffer of whole tiles (at most a
-     * few hundred KiB, and read from cache by every unit). */
-    const int64_t mpad = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    uint16_t *a = aligned_alloc(64, (size_t)(mpad * k * sizeof(uint16_t) + 63) / 64 * 64);
-    if (!a) return ERR_NOMEM;
-    for (int64_t r = 0; r < m; r++) memcpy(a + r * k, x + r * x_stride, k * sizeof(uint16_t));
-    memset(a + m * k, 0, (size_t)((mpad - m) * k) * sizeof(uint16_t));
-
+    /* x copied once into A-tile order, zero-padded to whole tiles (at most a few hundred KiB,
+     * read from cache by every unit): each A tile is then 1 KiB of consecutive lines, where
+     * loading it from x's rows touched 16 lines a row apart, which measured slower beside the
+     * weight streams. */
     const int64_t ksteps = k / TILE_K, units = n / PAIR_COLS;
+    const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    uint16_t *a = aligned_alloc(64, (size_t)(row_tiles * ksteps * TILE_ELEMS * sizeof(uint16_t)));
+    if (!a) return ERR_NOMEM;
+    for (int64_t rt = 0; rt < row_tiles; rt++)
+        for (int64_t kt = 0; kt < ksteps; kt++) {
+            uint16_t *tile = a + (rt * ksteps + kt) * TILE_ELEMS;
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const int64_t row = rt * TILE_ROWS + r;
+                if (row < m)
+                    memcpy(tile + r * TILE_K, x + row * x_stride + kt * TILE_K, TILE_K * 2);
+                else
+                    memset(tile + r * TILE_K, 0, TILE_K * 2);
+            }
+        }
+
     if (num_threads < 1) num_threads = 1;
     if (num_threads > units) num_threads = (int)units;
 #pragma omp parallel num_threads(num_threads)
@@ -123,8 +139,8 @@ int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t 
             const float *b = bias ? bias + u * PAIR_COLS : NULL;
             for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROWS) {
                 const int rows = (int)(m - r0 < PANEL_ROWS ? m - r0 : PANEL_ROWS);
-                panel(a + r0 * k, k, rows, w, ksteps, out + r0 * out_stride + u * PAIR_COLS,
-                      out_stride, b, scratch);
+                panel(a + r0 / TILE_ROWS * ksteps * TILE_ELEMS, rows, w, ksteps,
+                      out + r0 * out_stride + u * PAIR_COLS, out_stride, b, scratch);
             }
         }
         _tile_release();

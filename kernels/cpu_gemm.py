@@ -14,9 +14,10 @@ import functools
 import torch
 from kvfleet.kernels import cpu_library
 
-# Row counts at which this kernel beats oneDNN's on the AMX host (`kvfleet bench cpu-kernels`);
-# beyond it the GEMM turns compute-bound and oneDNN's blocking wins.
-MAX_ROWS = 48
+# Row counts at which this kernel beats oneDNN's on the AMX host (`kvfleet bench cpu-kernels`:
+# 1.1x at 64 and 96 rows, 0.7-0.9x from 128 on, where the GEMM turns compute-bound and oneDNN's
+# blocking wins).
+MAX_ROWS = 96
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
 

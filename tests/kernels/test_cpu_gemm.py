@@ -41,10 +41,10 @@ def test_amx_where_the_cpu_has_it():
     assert cpu_gemm.available() == cpu_has_amx()
 
 
-# Rows: a lone decode, a ragged tile, exactly one and two A tiles, a ragged second panel, and
-# the largest count dispatch sends here. Shapes: the bundled model's qkv, o, down; one pair of
+# Rows: a lone decode, a ragged tile, exactly one and two A tiles, a ragged second panel, a
+# ragged third, and the largest count dispatch sends here. Shapes: the bundled model's qkv, o, down; one pair of
 # column tiles with the shortest K.
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 47, cpu_gemm.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 47, 65, cpu_gemm.MAX_ROWS])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (576, 1536), (32, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_is_the_rounded_exact_product(poison_allocations, rows, n, k, with_bias):
