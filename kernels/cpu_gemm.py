@@ -1,8 +1,8 @@
 """bf16 projections with few rows on AMX tiles (kernels/cpu_gemm.c): a decode step's GEMMs.
 
 At decode-sized row counts a projection streams its weight once and does little arithmetic per
-byte; oneDNN's kernels for those shapes read the weight at about half the rate the host can
-stream. The C kernel reads weights prepacked (`pack`) into the byte order of AMX B tiles, in
+byte; oneDNN's kernels for those shapes read the weight well below the rate the host can stream
+(`kvfleet bench cpu-kernels`: this kernel is 1.1-1.6x faster up to 96 rows). The C kernel reads weights prepacked (`pack`) into the byte order of AMX B tiles, in
 the order it uses them. Same numbers as oneDNN up to float32 summation order: both multiply
 bf16 pairs exactly and accumulate in float32, and both round the result to bf16 once.
 """
@@ -15,8 +15,8 @@ import torch
 from kvfleet.kernels import cpu_library
 
 # Row counts at which this kernel beats oneDNN's on the AMX host (`kvfleet bench cpu-kernels`:
-# 1.1x at 64 and 96 rows, 0.7-0.9x from 128 on, where the GEMM turns compute-bound and oneDNN's
-# blocking wins).
+# 1.05-1.1x at 64 and 96 rows; from 128 on the GEMM turns compute-bound and oneDNN's blocking
+# is as fast or faster, 0.73-0.94x at 128 rows).
 MAX_ROWS = 96
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
@@ -57,10 +57,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     contiguous rows."""
     rows, k = x.shape
     n = packed.shape[0] * 16
-    if k != packed.shape[1] * 32 or x.stride(1) != 1:
+    if k != packed.shape[1] * 32 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
         raise ValueError(
-            f"AMX linear: input {tuple(x.shape)} does not fit a weight of [{n}, "
-            f"{packed.shape[1] * 32}] or its rows are strided"
+            f"AMX linear: input {tuple(x.shape)} {x.dtype} does not fit a bf16 weight of "
+            f"[{n}, {packed.shape[1] * 32}], or its rows are strided"
         )
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     if rows == 0:

@@ -4,7 +4,11 @@ report request/s, output tokens/s, TTFT, inter-token and end-to-end latency perc
 
 Scenario flags measure a feature against its off-switch in the same command (`--spawn` starts
 the server once per setting): `--shared-prefix N` (prefix caching on vs off, TTFT) and
-`--long-prompt-every K` (chunked prefill on vs off, inter-token latency p99).
+`--long-prompt-every K` (chunked prefill on vs off, inter-token latency p99). With
+`--offline-baseline`, a plain `--spawn` run is bracketed by two runs of `kvfleet bench
+throughput --baseline none` on the same workload and engine flags, and the JSON's
+`offline_ratio` is serving's output tokens/s over their mean: the host's drift during the
+command cancels to first order, as in `bench throughput`'s own A-B-A order.
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="C1,C2,...",
         help="drive one spawned server at each concurrency in turn (needs --spawn)",
+    )
+    p.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="run `kvfleet bench throughput --baseline none` with the same engine flags before "
+        "and after the served run and report serving's throughput over theirs (needs --spawn)",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument(
@@ -258,16 +268,9 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
     return items
 
 
-def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list[str]:
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags this command was given, for the processes it starts."""
     argv = [
-        sys.executable,
-        "-m",
-        "kvfleet.runtime.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--model",
         args.model,
         "--dtype",
@@ -280,10 +283,6 @@ def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list
         str(args.max_num_seqs),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
-        "--max-waiting-requests",
-        str(max(args.num_prompts, 256)),
-        "--log-level",
-        "warning",
     ]
     for flag, value in (
         ("--tokenizer", args.tokenizer),
@@ -294,7 +293,33 @@ def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list
     ):
         if value is not None:
             argv += [flag, str(value)]
+    return argv
+
+
+def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), *_engine_flags(args)]
+    argv += ["--max-waiting-requests", str(max(args.num_prompts, 256)), "--log-level", "warning"]
     return argv + toggles + shlex.split(args.serve_args)
+
+
+async def offline_throughput(args: argparse.Namespace) -> float:
+    """Output tokens/s of `kvfleet bench throughput --baseline none` in a fresh process, on
+    this command's workload and engine flags."""
+    import asyncio
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/offline.json"
+        argv = [sys.executable, "-m", "kvfleet.runtime.cli", "bench", "throughput"]
+        argv += ["--baseline", "none", "--num-prompts", str(args.num_prompts)]
+        argv += ["--workload-seed", str(args.workload_seed), "--json", out, *_engine_flags(args)]
+        run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"the offline baseline failed:\n{run.stderr[-2000:]}")
+        with open(out) as f:
+            return float(json.load(f)["kvfleet_output_tokens_per_s"])
 
 
 @contextlib.asynccontextmanager
@@ -413,10 +438,20 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             plot_concurrency_sweep(sweep, args.plot)
         return result
     elif args.spawn:
-        runs[f"concurrency {args.concurrency}"] = await _run_spawned(
-            args, [], workload, args.concurrency
-        )
-        result.update(runs[f"concurrency {args.concurrency}"].public())
+        offline = []
+        if args.offline_baseline:
+            print("  offline baseline (bench throughput --baseline none)", file=sys.stderr)
+            offline.append(await offline_throughput(args))
+        served = await _run_spawned(args, [], workload, args.concurrency)
+        runs[f"concurrency {args.concurrency}"] = served
+        result.update(served.public())
+        if args.offline_baseline:
+            print("  offline baseline again", file=sys.stderr)
+            offline.append(await offline_throughput(args))
+            mean = sum(offline) / len(offline)
+            result["offline_output_tokens_per_s"] = mean
+            result["offline_output_tokens_per_s_runs"] = offline
+            result["offline_ratio"] = served.output_tokens_per_s / mean
     else:
         run = await drive(args.url, workload, args.concurrency, args.timeout)
         runs[f"concurrency {args.concurrency}"] = run
@@ -431,10 +466,18 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    if (args.shared_prefix or args.long_prompt_every or args.concurrency_sweep) and not args.spawn:
+    scenario = args.shared_prefix or args.long_prompt_every or args.concurrency_sweep
+    if (scenario or args.offline_baseline) and not args.spawn:
         print(
-            "kvfleet bench serve: error: --shared-prefix, --long-prompt-every and "
-            "--concurrency-sweep start their own servers and need --spawn",
+            "kvfleet bench serve: error: --shared-prefix, --long-prompt-every, "
+            "--concurrency-sweep and --offline-baseline start their own servers and need --spawn",
+            file=sys.stderr,
+        )
+        return 2
+    if scenario and args.offline_baseline:
+        print(
+            "kvfleet bench serve: error: --offline-baseline compares plain serving only; "
+            "leave out --shared-prefix, --long-prompt-every and --concurrency-sweep",
             file=sys.stderr,
         )
         return 2

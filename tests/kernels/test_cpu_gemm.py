@@ -71,8 +71,12 @@ def test_amx_linear_reads_strided_rows_and_writes_nothing_else():
 def test_amx_linear_rejects_a_mismatched_input():
     _need_amx()
     packed = cpu_gemm.pack(torch.zeros(32, 64, dtype=BF16))
-    with pytest.raises(ValueError, match=r"input \(4, 32\) does not fit a weight of \[32, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"input \(4, 32\) torch.bfloat16 does not fit a bf16 weight of \[32, 64\]"
+    ):
         cpu_gemm.linear(torch.zeros(4, 32, dtype=BF16), packed)
+    with pytest.raises(ValueError, match=r"input \(4, 64\) torch.float32 does not fit"):
+        cpu_gemm.linear(torch.zeros(4, 64), packed)
 
 
 def test_amx_linear_of_no_rows_is_empty():
