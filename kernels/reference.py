@@ -212,10 +212,10 @@ def paged_attention(
     the C kernel, which takes `decode_attention`'s arguments. `prefill_fn`, when given, computes
     each prefill instead of `prefill_attention`: (query, k_cache, v_cache, block_table, seq_len,
     scale, out) writing into `out`, this sequence's rows of the result."""
-    out = torch.empty_like(query)
     nd = meta.num_decodes
+    decoded = None
     if nd:
-        out[:nd] = (decode_fn or decode_attention)(
+        decoded = (decode_fn or decode_attention)(
             query[:nd],
             k_cache,
             v_cache,
@@ -224,6 +224,11 @@ def paged_attention(
             max(meta.seq_lens_host[:nd]),
             scale,
         )
+        if nd == meta.num_seqs:  # a decode-only step: nothing to assemble
+            return decoded
+    out = torch.empty_like(query)
+    if decoded is not None:
+        out[:nd] = decoded
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
