@@ -99,14 +99,14 @@ static void panel(const uint16_t *a, int rows, const uint16_t *w, int64_t ksteps
 #endif
 
 /* out[m, n] (bf16, row stride out_stride) = x[m, k] (bf16, row stride x_stride) · Wᵀ + bias
- * (float32 or NULL), W packed by kvfleet_pack_linear_amx. */
+ * (float32 or NULL), W packed by cpu_gemm.pack. */
 int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                             const float *bias, uint16_t *out, int64_t out_stride, int64_t m,
                             int64_t n, int64_t k, int num_threads) {
 #ifdef HAVE_AMX
     if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
     if (!amx_permitted()) return ERR_NO_AMX;
-    /* x copied once into A-tile order, zero-padded to whole tiles (at most a few hundred KiB,
+    /* x copied once into A-tile order, zero-padded to whole tiles (small: at most MAX_ROWS rows,
      * read from cache by every unit): each A tile is then 1 KiB of consecutive lines, where
      * loading it from x's rows touched 16 lines a row apart, which measured slower beside the
      * weight streams. */

@@ -123,3 +123,18 @@ def test_shapes_the_kernel_does_not_take_stay_on_onednn():
     assert isinstance(packed, cpu_linear.PackedLinear) and packed.tiles is None
     x = torch.randn(3, 64).to(BF16)
     assert torch.equal(dispatch.linear(x, packed), F.linear(x, w))
+
+
+def test_dispatch_gives_amx_strided_and_batched_inputs_their_shape():
+    """A [batch, tokens, in] input, or one whose columns are strided, comes back shaped like
+    x with out_features last."""
+    _need_amx()
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(64, 64, generator=gen) * 0.05).to(BF16)
+    packed = dispatch.prepack_linear_weight(w)
+    batched = torch.randn(2, 3, 64, generator=gen).to(BF16)
+    got = dispatch.linear(batched, packed)
+    assert got.shape == (2, 3, 64)
+    _assert_one_rounding(got.reshape(6, 64), _bf16_exact(batched.reshape(6, 64), w, None))
+    strided = torch.randn(5, 128, generator=gen).to(BF16)[:, ::2]
+    _assert_one_rounding(dispatch.linear(strided, packed), _bf16_exact(strided, w, None))
