@@ -76,7 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--offline-baseline",
         action="store_true",
         help="run `kvfleet bench throughput --baseline none` with the same engine flags before "
-        "and after the served run and report serving's throughput over theirs (needs --spawn)",
+        "and after the served run and report serving's throughput over theirs (needs --spawn; "
+        "--serve-args go to the server only)",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument(
