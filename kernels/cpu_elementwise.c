@@ -43,22 +43,9 @@ int kvfleet_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residu
                               int64_t rows, int hidden, float eps, int num_threads) {
     if (hidden <= 0 || hidden % LANES != 0) return ERR_SHAPE;
 #pragma omp parallel for schedule(static) num_threads(team(rows * hidden, num_threads))
-    for (int64_t row = 0; row < rows; row++) {
-        const uint16_t *xr = x + row * x_stride;
-        float *r = residual + row * hidden;
-        uint16_t *o = out + row * hidden;
-        float squares[LANES] = {0};
-        for (int i = 0; i < hidden; i += LANES)
-            for (int l = 0; l < LANES; l++) {
-                const float v = bf16_to_f32(xr[i + l]) + (has_residual ? r[i + l] : 0.0f);
-                r[i + l] = v;
-                squares[l] += v * v;
-            }
-        float sum = 0.0f;
-        for (int l = 0; l < LANES; l++) sum += squares[l];
-        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        for (int i = 0; i < hidden; i++) o[i] = f32_to_bf16(r[i] * inv * bf16_to_f32(weight[i]));
-    }
+    for (int64_t row = 0; row < rows; row++)
+        add_rms_norm_row(x + row * x_stride, residual + row * hidden, has_residual, weight,
+                         out + row * hidden, hidden, eps);
     return OK;
 }
 

@@ -20,6 +20,7 @@
  * row tiles sharing each B tile (more A loads per multiply), 16-row panels, software prefetch
  * of the B streams (no better than the hardware's). */
 #include "cpu_amx.h"
+#include "cpu_math.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -96,36 +97,29 @@ static void panel(const uint16_t *a, int rows, const uint16_t *w, int64_t ksteps
     }
 }
 
-#endif
+/* Row `row` (k bf16 values) into its place in A-tile order: row tile row / 16, one 64-byte
+ * tile row per K step. Each A tile is then 1 KiB of consecutive lines, where loading A tiles
+ * straight from x's rows touched 16 lines a row apart, which measured slower beside the weight
+ * streams. */
+static void place_row(uint16_t *a, int64_t ksteps, int64_t row, const uint16_t *values) {
+    uint16_t *first = a + (row / TILE_ROWS * ksteps * TILE_ROWS + row % TILE_ROWS) * TILE_K;
+    for (int64_t kt = 0; kt < ksteps; kt++)
+        memcpy(first + kt * TILE_ELEMS, values + kt * TILE_K, TILE_K * sizeof(uint16_t));
+}
 
-/* out[m, n] (bf16, row stride out_stride) = x[m, k] (bf16, row stride x_stride) · Wᵀ + bias
- * (float32 or NULL), W packed by cpu_gemm.pack. */
-int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                            const float *bias, uint16_t *out, int64_t out_stride, int64_t m,
-                            int64_t n, int64_t k, int num_threads) {
-#ifdef HAVE_AMX
-    if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
-    if (!amx_permitted()) return ERR_NO_AMX;
-    /* x copied once into A-tile order, zero-padded to whole tiles (small: at most MAX_ROWS rows,
-     * read from cache by every unit): each A tile is then 1 KiB of consecutive lines, where
-     * loading it from x's rows touched 16 lines a row apart, which measured slower beside the
-     * weight streams. */
-    const int64_t ksteps = k / TILE_K, units = n / PAIR_COLS;
+/* The A tiles of m rows: zeroed to whole tiles, for the caller to place its rows in. */
+static uint16_t *alloc_a(int64_t m, int64_t ksteps) {
     const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
-    uint16_t *a = aligned_alloc(64, (size_t)(row_tiles * ksteps * TILE_ELEMS * sizeof(uint16_t)));
-    if (!a) return ERR_NOMEM;
-    for (int64_t rt = 0; rt < row_tiles; rt++)
-        for (int64_t kt = 0; kt < ksteps; kt++) {
-            uint16_t *tile = a + (rt * ksteps + kt) * TILE_ELEMS;
-            for (int r = 0; r < TILE_ROWS; r++) {
-                const int64_t row = rt * TILE_ROWS + r;
-                if (row < m)
-                    memcpy(tile + r * TILE_K, x + row * x_stride + kt * TILE_K, TILE_K * 2);
-                else
-                    memset(tile + r * TILE_K, 0, TILE_K * 2);
-            }
-        }
+    const size_t bytes = (size_t)(row_tiles * ksteps * TILE_ELEMS * sizeof(uint16_t));
+    uint16_t *a = aligned_alloc(64, bytes);
+    if (a) memset(a, 0, bytes);
+    return a;
+}
 
+/* out = A · Wᵀ + bias for the rows already placed in a (freed here). */
+static int multiply(uint16_t *a, const uint16_t *packed, const float *bias, uint16_t *out,
+                    int64_t out_stride, int64_t m, int64_t n, int64_t ksteps, int num_threads) {
+    const int64_t units = n / PAIR_COLS;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > units) num_threads = (int)units;
 #pragma omp parallel num_threads(num_threads)
@@ -147,9 +141,60 @@ int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t 
     }
     free(a);
     return OK;
+}
+#endif
+
+/* out[m, n] (bf16, row stride out_stride) = x[m, k] (bf16, row stride x_stride) · Wᵀ + bias
+ * (float32 or NULL), W packed by cpu_gemm.pack. */
+int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                            const float *bias, uint16_t *out, int64_t out_stride, int64_t m,
+                            int64_t n, int64_t k, int num_threads) {
+#ifdef HAVE_AMX
+    if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
+    if (!amx_permitted()) return ERR_NO_AMX;
+    const int64_t ksteps = k / TILE_K;
+    uint16_t *a = alloc_a(m, ksteps);
+    if (!a) return ERR_NOMEM;
+    for (int64_t row = 0; row < m; row++) place_row(a, ksteps, row, x + row * x_stride);
+    return multiply(a, packed, bias, out, out_stride, m, n, ksteps, num_threads);
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)m,
         (void)n, (void)k, (void)num_threads;
+    return ERR_NO_AMX;
+#endif
+}
+
+/* The same for x's rows after RMSNorm with its residual add, as kvfleet_add_rms_norm_bf16
+ * computes them (same bits): residual (float32 [m, k], contiguous) becomes x + residual (or x
+ * when has_residual is 0), and the normalised rows go straight into the A tiles instead of
+ * through a tensor and a second call. */
+int kvfleet_rms_norm_linear_amx_bf16(const uint16_t *x, int64_t x_stride, float *residual,
+                                     int has_residual, const uint16_t *norm_weight, float eps,
+                                     const uint16_t *packed, const float *bias, uint16_t *out,
+                                     int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                                     int num_threads) {
+#ifdef HAVE_AMX
+    if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
+    if (!amx_permitted()) return ERR_NO_AMX;
+    const int64_t ksteps = k / TILE_K;
+    uint16_t *a = alloc_a(m, ksteps);
+    uint16_t *normed = malloc((size_t)k * sizeof(uint16_t));
+    if (!a || !normed) {
+        free(a);
+        free(normed);
+        return ERR_NOMEM;
+    }
+    for (int64_t row = 0; row < m; row++) {
+        add_rms_norm_row(x + row * x_stride, residual + row * k, has_residual, norm_weight,
+                         normed, (int)k, eps);
+        place_row(a, ksteps, row, normed);
+    }
+    free(normed);
+    return multiply(a, packed, bias, out, out_stride, m, n, ksteps, num_threads);
+#else
+    (void)x, (void)x_stride, (void)residual, (void)has_residual, (void)norm_weight, (void)eps,
+        (void)packed, (void)bias, (void)out, (void)out_stride, (void)m, (void)n, (void)k,
+        (void)num_threads;
     return ERR_NO_AMX;
 #endif
 }

@@ -1,9 +1,11 @@
-/* Math helpers for kvfleet's CPU kernels (cpu_attention.c, cpu_elementwise.c): bf16
- * conversions and an exp that gcc vectorises. Plain float and integer arithmetic throughout, so
- * loops over these compile to SIMD under -O3 -march=native without -ffast-math. */
+/* Math helpers for kvfleet's CPU kernels (cpu_attention.c, cpu_elementwise.c, cpu_gemm.c):
+ * bf16 conversions, one RMSNorm row, and an exp that gcc vectorises. Plain float and integer
+ * arithmetic throughout, so loops over these compile to SIMD under -O3 -march=native without
+ * -ffast-math. */
 #ifndef KVFLEET_CPU_MATH_H
 #define KVFLEET_CPU_MATH_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,6 +25,25 @@ static inline uint16_t f32_to_bf16(float f) {
     const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
     return (bits & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((bits >> 16) | 0x40u)
                                                 : (uint16_t)rounded;
+}
+
+/* One row of RMSNorm with its residual add: r = x + r (r = x when has_residual is 0), in float32
+ * and in place; o = bf16(r / sqrt(mean(r^2) + eps) * weight). hidden a multiple of 16. Shared by
+ * the RMSNorm kernel and the AMX GEMM that normalises its input rows while packing them, so both
+ * give the same bits. */
+static inline void add_rms_norm_row(const uint16_t *x, float *r, int has_residual,
+                                    const uint16_t *weight, uint16_t *o, int hidden, float eps) {
+    float squares[16] = {0};
+    for (int i = 0; i < hidden; i += 16)
+        for (int l = 0; l < 16; l++) {
+            const float v = bf16_to_f32(x[i + l]) + (has_residual ? r[i + l] : 0.0f);
+            r[i + l] = v;
+            squares[l] += v * v;
+        }
+    float sum = 0.0f;
+    for (int l = 0; l < 16; l++) sum += squares[l];
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    for (int i = 0; i < hidden; i++) o[i] = f32_to_bf16(r[i] * inv * bf16_to_f32(weight[i]));
 }
 
 /* exp(x) for x <= 0 (attention scores minus their running max), within 2 ulp of expf. libm's

@@ -18,6 +18,7 @@ from kvfleet.kernels import (
     cpu_attention,
     cpu_cache,
     cpu_elementwise,
+    cpu_gemm,
     cpu_linear,
     cpu_prefill,
     reference,
@@ -105,6 +106,28 @@ def linear(
     if isinstance(weight, cpu_linear.PackedLinear):
         return cpu_linear.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | cpu_linear.PackedLinear,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)` and the residual
+    `rms_norm` returns. Decode-sized CPU steps on the AMX GEMM normalise the rows while packing
+    them for it (one call, same numbers); everything else makes the two calls."""
+    if (
+        isinstance(weight, cpu_linear.PackedLinear)
+        and weight.tiles is not None
+        and 0 < x.shape[0] <= cpu_gemm.MAX_ROWS
+        and cpu_elementwise.supports_rms_norm(x, norm_weight, residual)
+    ):
+        return cpu_gemm.rms_norm_linear(x, norm_weight, eps, residual, weight.tiles, bias)
+    normed, residual = rms_norm(x, norm_weight, eps, residual)
+    return linear(normed, weight, bias), residual
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -69,8 +69,9 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
-        x, residual = dispatch.rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        qkv = dispatch.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv, residual = dispatch.rms_norm_linear(
+            hidden, self.input_layernorm, self.eps, residual, self.qkv_proj, self.qkv_bias
+        )
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -80,8 +81,9 @@ class LlamaDecoderLayer(nn.Module):
         dispatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
         hidden = dispatch.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
-        x, residual = dispatch.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        gate_up = dispatch.linear(x, self.gate_up_proj)
+        gate_up, residual = dispatch.rms_norm_linear(
+            hidden, self.post_attention_layernorm, self.eps, residual, self.gate_up_proj
+        )
         hidden = dispatch.linear(dispatch.silu_and_mul(gate_up), self.down_proj)
         return hidden, residual
 

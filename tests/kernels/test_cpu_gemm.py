@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_cases import cpu_has_amx
-from kvfleet.kernels import cpu_gemm, cpu_linear, dispatch
+from kvfleet.kernels import cpu_elementwise, cpu_gemm, cpu_linear, dispatch
 
 BF16 = torch.bfloat16
 
@@ -138,3 +138,45 @@ def test_dispatch_gives_amx_strided_and_batched_inputs_their_shape():
     _assert_one_rounding(got.reshape(6, 64), _bf16_exact(batched.reshape(6, 64), w, None))
     strided = torch.randn(5, 128, generator=gen).to(BF16)[:, ::2]
     _assert_one_rounding(dispatch.linear(strided, packed), _bf16_exact(strided, w, None))
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, cpu_gemm.MAX_ROWS])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rms_norm_linear_gives_the_two_calls_bits(rows, with_residual, with_bias):
+    """Normalising rows while packing them is the RMSNorm kernel then the GEMM, to the bit:
+    the same output and the same updated residual."""
+    _need_amx()
+    gen = torch.Generator().manual_seed(rows + 2 * with_residual + with_bias)
+    x = torch.randn(rows, 576, generator=gen).to(BF16)
+    norm_w = (1 + 0.1 * torch.randn(576, generator=gen)).to(BF16)
+    residual = torch.randn(rows, 576, generator=gen) if with_residual else None
+    w = (torch.randn(960, 576, generator=gen) * 0.05).to(BF16)
+    bias = torch.randn(960, generator=gen).to(BF16) if with_bias else None
+    packed = cpu_gemm.pack(w)
+    res_a = residual.clone() if with_residual else None
+    res_b = residual.clone() if with_residual else None
+    got, got_res = cpu_gemm.rms_norm_linear(x, norm_w, 1e-5, res_a, packed, bias)
+    normed, want_res = cpu_elementwise.rms_norm(x, norm_w, 1e-5, res_b)
+    assert torch.equal(got, cpu_gemm.linear(normed, packed, bias))
+    assert torch.equal(got_res, want_res)
+    if with_residual:
+        assert got_res is res_a  # updated in place, as cpu_elementwise.rms_norm does
+
+
+@pytest.mark.parametrize("rows", [cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1])
+def test_dispatch_fuses_the_norm_only_where_the_amx_gemm_runs(monkeypatch, rows):
+    _need_amx()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(BF16)
+    norm_w = torch.ones(576).to(BF16)
+    residual = torch.randn(rows, 576, generator=gen)
+    w = (torch.randn(960, 576, generator=gen) * 0.05).to(BF16)
+    packed = dispatch.prepack_linear_weight(w)
+    fused = []
+    real = cpu_gemm.rms_norm_linear
+    monkeypatch.setattr(cpu_gemm, "rms_norm_linear", lambda *a: fused.append(a) or real(*a))
+    got, got_res = dispatch.rms_norm_linear(x, norm_w, 1e-5, residual.clone(), packed)
+    normed, want_res = dispatch.rms_norm(x, norm_w, 1e-5, residual.clone())
+    assert torch.equal(got, dispatch.linear(normed, packed)) and torch.equal(got_res, want_res)
+    assert len(fused) == (1 if rows <= cpu_gemm.MAX_ROWS else 0)
