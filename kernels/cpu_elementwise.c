@@ -100,35 +100,7 @@ int kvfleet_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out
                               int d, int num_threads) {
     if (d <= 0) return ERR_SHAPE;
 #pragma omp parallel for schedule(static) num_threads(team(rows * d, num_threads))
-    for (int64_t row = 0; row < rows; row++) {
-        const uint16_t *gate = x + row * x_stride, *up = gate + d;
-        uint16_t *o = out + row * (int64_t)d;
-        int i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-        const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-        const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-        for (; i + 16 <= d; i += 16) {
-            const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
-            const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
-            const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
-            const __m512 e = exp16(neg_abs);
-            const __m512 den = _mm512_add_ps(one, e);
-            __m512 inv = _mm512_rcp14_ps(den);
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
-            const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, inv, e);
-            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
-            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
-        }
-#endif
-        for (; i < d; i++) {
-            const float g = bf16_to_f32(gate[i]);
-            const float e = exp_nonpositive(g < 0.0f ? g : -g);
-            const float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);
-            o[i] = f32_to_bf16(g * sigmoid * bf16_to_f32(up[i]));
-        }
-    }
+    for (int64_t row = 0; row < rows; row++)
+        silu_and_mul_row(x + row * x_stride, out + row * (int64_t)d, d);
     return OK;
 }

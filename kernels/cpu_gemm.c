@@ -27,6 +27,8 @@
 #include <string.h>
 
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };
+/* What is done to each input row as it is packed (cpu_gemm.py names the same numbers). */
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SILU_AND_MUL = 2 };
 
 #define TILE_ROWS 16
 #define TILE_K 32                             /* bf16 input features per tile row */
@@ -34,6 +36,7 @@ enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };
 #define TILE_ELEMS (TILE_ROWS * TILE_K)       /* bf16 elements in an A or B tile */
 #define PAIR_COLS (2 * TILE_COLS)             /* a thread's unit: two column blocks */
 #define PANEL_ROWS (2 * TILE_ROWS)            /* rows of a panel: two A tiles */
+#define PARALLEL_PROLOGUE_ELEMS 65536         /* input values from which rows pack in parallel */
 
 #ifdef HAVE_AMX
 /* Round-to-nearest-even float32 -> bf16 of 16 values plus their bias, stored to `dst`. */
@@ -144,57 +147,66 @@ static int multiply(uint16_t *a, const uint16_t *packed, const float *bias, uint
 }
 #endif
 
-/* out[m, n] (bf16, row stride out_stride) = x[m, k] (bf16, row stride x_stride) · Wᵀ + bias
- * (float32 or NULL), W packed by cpu_gemm.pack. */
-int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                            const float *bias, uint16_t *out, int64_t out_stride, int64_t m,
-                            int64_t n, int64_t k, int num_threads) {
+/* out[m, n] (bf16, row stride out_stride) = rows · Wᵀ + bias (float32 or NULL), W packed by
+ * cpu_gemm.pack, where row r is made from x's row r (bf16, row stride x_stride) by `prologue`
+ * while it is packed into A tiles, instead of through a tensor and another call:
+ * - PROLOGUE_NONE: x's row itself (k values);
+ * - PROLOGUE_RMS_NORM: RMSNorm with its residual add, kvfleet_add_rms_norm_bf16's arithmetic
+ *   (residual float32 [m, k], contiguous, becomes x + residual, or x when has_residual is 0;
+ *   norm_weight [k], eps);
+ * - PROLOGUE_SILU_AND_MUL: silu(x[:k]) * x[k:2k], kvfleet_silu_and_mul_bf16's arithmetic.
+ * The same bits as the separate kernels then this GEMM. */
+int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, float *residual,
+                            int has_residual, const uint16_t *norm_weight, float eps,
+                            const uint16_t *packed, const float *bias, uint16_t *out,
+                            int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                            int num_threads) {
 #ifdef HAVE_AMX
     if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
+    if (prologue < PROLOGUE_NONE || prologue > PROLOGUE_SILU_AND_MUL) return ERR_SHAPE;
     if (!amx_permitted()) return ERR_NO_AMX;
     const int64_t ksteps = k / TILE_K;
     uint16_t *a = alloc_a(m, ksteps);
     if (!a) return ERR_NOMEM;
-    for (int64_t row = 0; row < m; row++) place_row(a, ksteps, row, x + row * x_stride);
-    return multiply(a, packed, bias, out, out_stride, m, n, ksteps, num_threads);
-#else
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)m,
-        (void)n, (void)k, (void)num_threads;
-    return ERR_NO_AMX;
-#endif
-}
-
-/* The same for x's rows after RMSNorm with its residual add, as kvfleet_add_rms_norm_bf16
- * computes them (same bits): residual (float32 [m, k], contiguous) becomes x + residual (or x
- * when has_residual is 0), and the normalised rows go straight into the A tiles instead of
- * through a tensor and a second call. */
-int kvfleet_rms_norm_linear_amx_bf16(const uint16_t *x, int64_t x_stride, float *residual,
-                                     int has_residual, const uint16_t *norm_weight, float eps,
-                                     const uint16_t *packed, const float *bias, uint16_t *out,
-                                     int64_t out_stride, int64_t m, int64_t n, int64_t k,
-                                     int num_threads) {
-#ifdef HAVE_AMX
-    if (n % PAIR_COLS || k % TILE_K || m < 1) return ERR_SHAPE;
-    if (!amx_permitted()) return ERR_NO_AMX;
-    const int64_t ksteps = k / TILE_K;
-    uint16_t *a = alloc_a(m, ksteps);
-    uint16_t *normed = malloc((size_t)k * sizeof(uint16_t));
-    if (!a || !normed) {
+    /* Rows are packed on the calling thread unless there are many: waking the team costs more
+     * than a decode step's rows (the elementwise kernels draw the same line). */
+    const int team = m * k * (prologue == PROLOGUE_SILU_AND_MUL ? 2 : 1) >= PARALLEL_PROLOGUE_ELEMS
+                         ? (num_threads < 1 ? 1 : num_threads)
+                         : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(team)
+    {
+        uint16_t *row_buf = prologue == PROLOGUE_NONE ? NULL : malloc((size_t)k * sizeof(uint16_t));
+        if (prologue != PROLOGUE_NONE && !row_buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < m; row++) {
+            const uint16_t *xr = x + row * x_stride;
+            if (prologue == PROLOGUE_NONE) {
+                place_row(a, ksteps, row, xr);
+                continue;
+            }
+            if (!row_buf) continue;
+            if (prologue == PROLOGUE_RMS_NORM)
+                add_rms_norm_row(xr, residual + row * k, has_residual, norm_weight, row_buf,
+                                 (int)k, eps);
+            else
+                silu_and_mul_row(xr, row_buf, (int)k);
+            place_row(a, ksteps, row, row_buf);
+        }
+        free(row_buf);
+    }
+    if (failed) {
         free(a);
-        free(normed);
         return ERR_NOMEM;
     }
-    for (int64_t row = 0; row < m; row++) {
-        add_rms_norm_row(x + row * x_stride, residual + row * k, has_residual, norm_weight,
-                         normed, (int)k, eps);
-        place_row(a, ksteps, row, normed);
-    }
-    free(normed);
     return multiply(a, packed, bias, out, out_stride, m, n, ksteps, num_threads);
 #else
-    (void)x, (void)x_stride, (void)residual, (void)has_residual, (void)norm_weight, (void)eps,
-        (void)packed, (void)bias, (void)out, (void)out_stride, (void)m, (void)n, (void)k,
-        (void)num_threads;
+    (void)x, (void)x_stride, (void)prologue, (void)residual, (void)has_residual,
+        (void)norm_weight, (void)eps, (void)packed, (void)bias, (void)out, (void)out_stride,
+        (void)m, (void)n, (void)k, (void)num_threads;
     return ERR_NO_AMX;
 #endif
 }

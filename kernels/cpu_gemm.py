@@ -52,13 +52,49 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
 
 
-def _check_input(x: torch.Tensor, packed: torch.Tensor) -> None:
-    n, k = packed.shape[0] * 16, packed.shape[1] * 32
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype != torch.bfloat16:
+# What the kernel does to each input row while packing it (cpu_gemm.c's PROLOGUE_*).
+_PLAIN, _RMS_NORM, _SILU_AND_MUL = 0, 1, 2
+
+
+def _run(
+    x: torch.Tensor,
+    k: int,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    prologue: int = _PLAIN,
+    residual: torch.Tensor | None = None,
+    has_residual: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """The C call: rows made from x by `prologue`, k inputs each, times the packed weight."""
+    n = packed.shape[0] * 16
+    if x.dim() != 2 or k != packed.shape[1] * 32 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
         raise ValueError(
             f"AMX linear: input {tuple(x.shape)} {x.dtype} does not fit a bf16 weight of "
-            f"[{n}, {k}], or its rows are strided"
+            f"[{n}, {packed.shape[1] * 32}], or its rows are strided"
         )
+    rows = x.shape[0]
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    if rows == 0:
+        return out
+    b = bias.float().contiguous() if bias is not None else None
+    status = cpu_library.library().kvfleet_linear_amx_bf16(
+        x.data_ptr(), x.stride(0), prologue,
+        residual.data_ptr() if residual is not None else None, int(has_residual),
+        norm_weight.data_ptr() if norm_weight is not None else None, eps,
+        packed.data_ptr(), b.data_ptr() if b is not None else None,
+        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"AMX linear kernel failed with status {status} for x {tuple(x.shape)}")
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the weight `packed` came from; x is bf16 [rows, K] with
+    contiguous rows."""
+    return _run(x, x.shape[-1], packed, bias)
 
 
 def rms_norm_linear(
@@ -73,38 +109,15 @@ def rms_norm_linear(
     with the normalised rows written straight into the GEMM's input tiles: the same bits as the
     two calls (`cpu_elementwise.rms_norm`'s arithmetic), one call instead of two. A given
     float32 `residual` is updated in place, as `cpu_elementwise.rms_norm` does."""
-    _check_input(x, packed)
-    rows, k = x.shape
-    n = packed.shape[0] * 16
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    res = residual if residual is not None else torch.empty(rows, k, dtype=torch.float32)
-    if rows == 0:
-        return out, res
-    b = bias.float().contiguous() if bias is not None else None
-    status = cpu_library.library().kvfleet_rms_norm_linear_amx_bf16(
-        x.data_ptr(), x.stride(0), res.data_ptr(), int(residual is not None),
-        norm_weight.data_ptr(), eps, packed.data_ptr(), b.data_ptr() if b is not None else None,
-        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"AMX linear kernel failed with status {status} for x {tuple(x.shape)}")
+    res = residual if residual is not None else torch.empty(x.shape, dtype=torch.float32)
+    out = _run(x, x.shape[-1], packed, bias, _RMS_NORM, res, residual is not None, norm_weight, eps)
     return out, res
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for the weight `packed` came from; x is bf16 [rows, K] with
-    contiguous rows."""
-    _check_input(x, packed)
-    rows, k = x.shape
-    n = packed.shape[0] * 16
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    if rows == 0:
-        return out
-    b = bias.float().contiguous() if bias is not None else None
-    status = cpu_library.library().kvfleet_linear_amx_bf16(
-        x.data_ptr(), x.stride(0), packed.data_ptr(), b.data_ptr() if b is not None else None,
-        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"AMX linear kernel failed with status {status} for x {tuple(x.shape)}")
-    return out
+def silu_and_mul_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear(silu_and_mul(x), packed, bias)` for x = [gate | up] rows of 2K values, with the
+    gated rows written straight into the GEMM's input tiles: the same bits as the two calls
+    (`cpu_elementwise.silu_and_mul`'s arithmetic)."""
+    return _run(x, x.shape[-1] // 2, packed, bias, _SILU_AND_MUL)

@@ -64,11 +64,9 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_silu_and_mul_bf16": [_p, _i64, _p, _i64, _i, _i],
     # x, x_stride, rows, cols, out, num_threads
     "kvfleet_argmax_f32": [_p, _i64, _i64, _i64, _p, _i],
-    # x, x_stride, packed, bias, out, out_stride, m, n, k, num_threads
-    "kvfleet_linear_amx_bf16": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
-    # x, x_stride, residual, has_residual, norm_weight, eps, packed, bias, out, out_stride, m,
-    # n, k, num_threads
-    "kvfleet_rms_norm_linear_amx_bf16": [_p, _i64, _p, _i, _p, _f, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    # x, x_stride, prologue, residual, has_residual, norm_weight, eps, packed, bias, out,
+    # out_stride, m, n, k, num_threads
+    "kvfleet_linear_amx_bf16": [_p, _i64, _i, _p, _i, _p, _f, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "kvfleet_linear_amx": [],
 }  # fmt: skip
 

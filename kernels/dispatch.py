@@ -130,6 +130,23 @@ def rms_norm_linear(
     return linear(normed, weight, bias), residual
 
 
+def silu_and_mul_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | cpu_linear.PackedLinear,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`linear(silu_and_mul(x), weight, bias)`: SwiGLU's gate and the down projection, in one
+    call on decode-sized CPU steps on the AMX GEMM (same numbers), else the two calls."""
+    if (
+        isinstance(weight, cpu_linear.PackedLinear)
+        and weight.tiles is not None
+        and 0 < x.shape[0] <= cpu_gemm.MAX_ROWS
+        and cpu_elementwise.supports_silu_and_mul(x)
+    ):
+        return cpu_gemm.silu_and_mul_linear(x, weight.tiles, bias)
+    return linear(silu_and_mul(x), weight, bias)
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
     if use_triton(key):

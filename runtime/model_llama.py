@@ -84,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
         gate_up, residual = dispatch.rms_norm_linear(
             hidden, self.post_attention_layernorm, self.eps, residual, self.gate_up_proj
         )
-        hidden = dispatch.linear(dispatch.silu_and_mul(gate_up), self.down_proj)
+        hidden = dispatch.silu_and_mul_linear(gate_up, self.down_proj)
         return hidden, residual
 
 

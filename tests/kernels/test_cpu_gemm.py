@@ -180,3 +180,32 @@ def test_dispatch_fuses_the_norm_only_where_the_amx_gemm_runs(monkeypatch, rows)
     normed, want_res = dispatch.rms_norm(x, norm_w, 1e-5, residual.clone())
     assert torch.equal(got, dispatch.linear(normed, packed)) and torch.equal(got_res, want_res)
     assert len(fused) == (1 if rows <= cpu_gemm.MAX_ROWS else 0)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, cpu_gemm.MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_and_mul_linear_gives_the_two_calls_bits(rows, with_bias):
+    """Gating rows while packing them is the silu-and-mul kernel then the GEMM, to the bit."""
+    _need_amx()
+    gen = torch.Generator().manual_seed(100 + rows + with_bias)
+    gate_up = (torch.randn(2, rows, 2 * 1536, generator=gen) * 3).to(BF16)[1]  # any row stride
+    w = (torch.randn(576, 1536, generator=gen) * 0.05).to(BF16)
+    bias = torch.randn(576, generator=gen).to(BF16) if with_bias else None
+    packed = cpu_gemm.pack(w)
+    got = cpu_gemm.silu_and_mul_linear(gate_up, packed, bias)
+    want = cpu_gemm.linear(cpu_elementwise.silu_and_mul(gate_up), packed, bias)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1])
+def test_dispatch_fuses_the_gate_only_where_the_amx_gemm_runs(monkeypatch, rows):
+    _need_amx()
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(BF16)
+    packed = dispatch.prepack_linear_weight((torch.randn(576, 1536, generator=gen) * 0.05).to(BF16))
+    fused = []
+    real = cpu_gemm.silu_and_mul_linear
+    monkeypatch.setattr(cpu_gemm, "silu_and_mul_linear", lambda *a: fused.append(a) or real(*a))
+    got = dispatch.silu_and_mul_linear(gate_up, packed)
+    assert torch.equal(got, dispatch.linear(dispatch.silu_and_mul(gate_up), packed))
+    assert len(fused) == (1 if rows <= cpu_gemm.MAX_ROWS else 0)
