@@ -5,8 +5,10 @@
  * GB/s on the 2-core host (30 layers' distinct weights), well under what it can stream. Here
  * the weight is prepacked into the exact bytes of AMX B tiles, in the order they are used, so
  * each thread streams one contiguous range of memory and every 1 KiB it reads feeds two tile
- * multiplies per 16 rows at once (`kvfleet bench cpu-kernels`: 1.2-2x oneDNN up to 48 rows,
- * 1.1x at 64-96, slower from 128, where cpu_gemm.MAX_ROWS hands over to oneDNN).
+ * multiplies per 16 rows at once (`kvfleet bench cpu-kernels`: 1.05-1.6x oneDNN up to 96 rows,
+ * slower from 128, where cpu_gemm.MAX_ROWS hands over to oneDNN). Since the input rows are
+ * copied into tile order anyway, the op in front of the projection can be applied on the way
+ * (a "prologue": RMSNorm with its residual add, or SiLU-and-mul), saving its call.
  *
  * Layout of the packed weight (cpu_gemm.pack): for column block nb (16 output features) and
  * K step kt (32 input features), one 16 x 64-byte B tile whose row r holds, for each of the 16
