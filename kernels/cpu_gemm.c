@@ -112,13 +112,12 @@ static void place_row(uint16_t *a, int64_t ksteps, int64_t row, const uint16_t *
         memcpy(first + kt * TILE_ELEMS, values + kt * TILE_K, TILE_K * sizeof(uint16_t));
 }
 
-/* The A tiles of m rows: zeroed to whole tiles, for the caller to place its rows in. */
+/* The A tiles of m rows, for the caller to place its rows in. A ragged last row tile's rows
+ * past m stay uninitialised: a C tile row depends only on its own A row, and write_tile never
+ * stores rows past m. */
 static uint16_t *alloc_a(int64_t m, int64_t ksteps) {
     const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
-    const size_t bytes = (size_t)(row_tiles * ksteps * TILE_ELEMS * sizeof(uint16_t));
-    uint16_t *a = aligned_alloc(64, bytes);
-    if (a) memset(a, 0, bytes);
-    return a;
+    return aligned_alloc(64, (size_t)(row_tiles * ksteps * TILE_ELEMS * sizeof(uint16_t)));
 }
 
 /* out = A · Wᵀ + bias for the rows already placed in a (freed here). */

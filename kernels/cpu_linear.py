@@ -83,12 +83,22 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def amx_tiles(weight: object, rows: int) -> torch.Tensor | None:
+    """The AMX-packed weight when a step of `rows` rows through `weight` runs on the AMX kernel
+    (a `PackedLinear` with tiles, 1 to `cpu_gemm.MAX_ROWS` rows), else None: the one place that
+    routes a projection, and the ops fused into it, to that kernel."""
+    if isinstance(weight, PackedLinear) and 0 < rows <= cpu_gemm.MAX_ROWS:
+        return weight.tiles
+    return None
+
+
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed` came from; x is [..., in_features]."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    if packed.tiles is not None and rows <= cpu_gemm.MAX_ROWS:
-        out = cpu_gemm.linear(flat.contiguous(), packed.tiles, bias)
+    tiles = amx_tiles(packed, rows)
+    if tiles is not None:
+        out = cpu_gemm.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), tiles, bias)
         return out.view(*x.shape[:-1], packed.out_features)
     padded = padded_rows(rows)
     if padded != rows:

@@ -119,13 +119,9 @@ def rms_norm_linear(
     """`linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)` and the residual
     `rms_norm` returns. Decode-sized CPU steps on the AMX GEMM normalise the rows while packing
     them for it (one call, same numbers); everything else makes the two calls."""
-    if (
-        isinstance(weight, cpu_linear.PackedLinear)
-        and weight.tiles is not None
-        and 0 < x.shape[0] <= cpu_gemm.MAX_ROWS
-        and cpu_elementwise.supports_rms_norm(x, norm_weight, residual)
-    ):
-        return cpu_gemm.rms_norm_linear(x, norm_weight, eps, residual, weight.tiles, bias)
+    tiles = cpu_linear.amx_tiles(weight, x.shape[0])
+    if tiles is not None and cpu_elementwise.supports_rms_norm(x, norm_weight, residual):
+        return cpu_gemm.rms_norm_linear(x, norm_weight, eps, residual, tiles, bias)
     normed, residual = rms_norm(x, norm_weight, eps, residual)
     return linear(normed, weight, bias), residual
 
@@ -137,13 +133,9 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight, bias)`: SwiGLU's gate and the down projection, in one
     call on decode-sized CPU steps on the AMX GEMM (same numbers), else the two calls."""
-    if (
-        isinstance(weight, cpu_linear.PackedLinear)
-        and weight.tiles is not None
-        and 0 < x.shape[0] <= cpu_gemm.MAX_ROWS
-        and cpu_elementwise.supports_silu_and_mul(x)
-    ):
-        return cpu_gemm.silu_and_mul_linear(x, weight.tiles, bias)
+    tiles = cpu_linear.amx_tiles(weight, x.shape[0])
+    if tiles is not None and cpu_elementwise.supports_silu_and_mul(x):
+        return cpu_gemm.silu_and_mul_linear(x, tiles, bias)
     return linear(silu_and_mul(x), weight, bias)
 
 
