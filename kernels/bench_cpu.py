@@ -73,6 +73,10 @@ class GemmRow:
     onednn_gbps: float
     amx_gbps: float | None
     amx_speedup: float | None
+    # The 30 layers as the model runs them on the AMX kernel (norms and gate included), with
+    # the norm and gate as separate calls, then fused into the GEMMs' input packing.
+    separate_ops_ms: float | None = None
+    fused_ops_ms: float | None = None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -276,10 +280,48 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
     def gbps(ms):
         return weight_bytes / (ms * 1e-3) / 1e9 if ms else None
 
-    return GemmRow(
+    row = GemmRow(
         rows, weight_bytes / 1e6, onednn_ms, amx_ms, gbps(onednn_ms), gbps(amx_ms),
         onednn_ms / amx_ms if amx_ms else None,
     )  # fmt: skip
+    if amx_ms is not None and rows <= cpu_gemm.MAX_ROWS:
+        row.separate_ops_ms, row.fused_ops_ms = _layer_ops_ms(torch, rows, packed[:-1], iters)
+    return row
+
+
+def _layer_ops_ms(torch, rows: int, layers_packed, iters: int) -> tuple[float, float]:
+    """The layers' norm → qkv, o, norm → gate/up, gate → down, as separate calls and fused;
+    checked to give the same bits first."""
+    from kvfleet.kernels import dispatch
+
+    gen = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * INTERMEDIATE, generator=gen).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    layers = [layers_packed[i : i + 4] for i in range(0, len(layers_packed), 4)]
+
+    def separate(qkv, o, gu, down, res):
+        normed, res = dispatch.rms_norm(x, norm_w, 1e-5, res)
+        outs = [dispatch.linear(normed, qkv), dispatch.linear(x, o)]
+        normed, res = dispatch.rms_norm(x, norm_w, 1e-5, res)
+        gated = dispatch.silu_and_mul(gate_up)
+        return [*outs, dispatch.linear(normed, gu), dispatch.linear(gated, down), res]
+
+    def fused(qkv, o, gu, down, res):
+        first, res = dispatch.rms_norm_linear(x, norm_w, 1e-5, res, qkv)
+        third, res = dispatch.rms_norm_linear(x, norm_w, 1e-5, res, gu)
+        down_out = dispatch.silu_and_mul_linear(gate_up, down)
+        return [first, dispatch.linear(x, o), third, down_out, res]
+
+    want, got = (f(*layers[0], residual.clone()) for f in (separate, fused))
+    if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+        raise KernelMismatch(f"fused norm/gate at {rows} rows: not the separate calls' bits")
+
+    def step(f):
+        return lambda: [f(*layer, residual) for layer in layers]
+
+    return min_ms(step(separate), iters), min_ms(step(fused), iters)
 
 
 def read_gbps(torch, iters: int) -> float:
@@ -359,11 +401,13 @@ def print_report(report: dict) -> None:
             f"{_fmt(r['amx_speedup_over_dot'], '.2f')}x"
         )
     if report["projections"]:
-        print("projections per step (30 layers + LM head), ms (GB/s of weights read)")
-        print(f"{'rows':>6} {'oneDNN':>15} {'AMX':>15} {'speedup':>8}")
+        print("projections per step (30 layers + LM head), ms (GB/s of weights read); then the")
+        print("30 layers' projections with their norms and gate, as separate calls and fused (AMX)")
+        print(f"{'rows':>6} {'oneDNN':>15} {'AMX':>15} {'speedup':>8} {'separate':>9} {'fused':>7}")
         for r in report["projections"]:
             print(
                 f"{r['rows']:>6} {r['onednn_ms']:>7.2f} ({r['onednn_gbps']:>4.1f}) "
                 f"{_fmt(r['amx_ms'], '7.2f')} ({_fmt(r['amx_gbps'], '4.1f')}) "
-                f"{_fmt(r['amx_speedup'], '7.2f')}x"
+                f"{_fmt(r['amx_speedup'], '7.2f')}x {_fmt(r['separate_ops_ms'], '9.2f')} "
+                f"{_fmt(r['fused_ops_ms'], '7.2f')}"
             )

@@ -5,7 +5,7 @@
  * GB/s on the 2-core host (30 layers' distinct weights), well under what it can stream. Here
  * the weight is prepacked into the exact bytes of AMX B tiles, in the order they are used, so
  * each thread streams one contiguous range of memory and every 1 KiB it reads feeds two tile
- * multiplies per 16 rows at once (`kvfleet bench cpu-kernels`: 1.05-1.6x oneDNN up to 96 rows,
+ * multiplies per 16 rows at once (`kvfleet bench cpu-kernels`: 1.05-1.7x oneDNN up to 96 rows,
  * slower from 128, where cpu_gemm.MAX_ROWS hands over to oneDNN). Since the input rows are
  * copied into tile order anyway, the op in front of the projection can be applied on the way
  * (a "prologue": RMSNorm with its residual add, or SiLU-and-mul), saving its call.

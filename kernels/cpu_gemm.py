@@ -2,7 +2,7 @@
 
 At decode-sized row counts a projection streams its weight once and does little arithmetic per
 byte; oneDNN's kernels for those shapes read the weight well below the rate the host can stream
-(`kvfleet bench cpu-kernels`: this kernel is 1.1-1.6x faster up to 96 rows). The C kernel reads weights prepacked (`pack`) into the byte order of AMX B tiles, in
+(`kvfleet bench cpu-kernels`: this kernel is 1.05-1.7x faster up to 96 rows). The C kernel reads weights prepacked (`pack`) into the byte order of AMX B tiles, in
 the order it uses them. Same numbers as oneDNN up to float32 summation order: both multiply
 bf16 pairs exactly and accumulate in float32, and both round the result to bf16 once.
 """
@@ -16,7 +16,7 @@ from kvfleet.kernels import cpu_library
 
 # Row counts at which this kernel beats oneDNN's on the AMX host (`kvfleet bench cpu-kernels`:
 # 1.05-1.1x at 64 and 96 rows; from 128 on the GEMM turns compute-bound and oneDNN's blocking
-# is as fast or faster, 0.73-0.94x at 128 rows).
+# is as fast or faster, 0.73-0.97x at 128 rows).
 MAX_ROWS = 96
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32

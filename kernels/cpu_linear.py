@@ -13,7 +13,7 @@ rows are padded up to a bucket (`padded_rows`: up to 15 rows or 1/16 more, 64 bu
 rows) and nearly every step reuses a built kernel.
 
 Decode-sized row counts (up to `cpu_gemm.MAX_ROWS`) go to kvfleet's AMX kernel instead, which
-streams the weight faster than oneDNN there (1.1-1.6x, `kvfleet bench cpu-kernels`); the weight
+streams the weight faster than oneDNN there (1.05-1.7x, `kvfleet bench cpu-kernels`); the weight
 is then held in both layouts (`PackedLinear`), twice its plain size in memory.
 
 float32 and float16 gained nothing from packing here, so they keep the plain weight and

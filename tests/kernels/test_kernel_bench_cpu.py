@@ -68,8 +68,22 @@ def test_gemm_row_times_onednn_and_the_amx_kernel_on_a_steps_weights():
     assert row.weight_mb == pytest.approx(sum(w.numel() for w in plain) * 2 / 1e6)
     if cpu_gemm.available():
         assert row.amx_ms > 0 and row.amx_speedup == pytest.approx(row.onednn_ms / row.amx_ms)
+        assert row.separate_ops_ms > 0 and row.fused_ops_ms > 0
     else:
-        assert row.amx_ms is None
+        assert row.amx_ms is None and row.fused_ops_ms is None
+    # Past MAX_ROWS the model makes the separate calls either way: nothing to compare.
+    big = bench_cpu.gemm_row(torch, cpu_gemm.MAX_ROWS + 1, plain, packed, iters=1)
+    assert big.separate_ops_ms is None and big.fused_ops_ms is None
+
+
+def test_fused_ops_that_change_the_bits_fail_the_benchmark(monkeypatch):
+    if not cpu_gemm.available():
+        pytest.skip("no AMX: the fused prologues are not timed on this CPU")
+    plain, packed = bench_cpu.gemm_weights(torch, layers=1)
+    real = cpu_gemm.silu_and_mul_linear
+    monkeypatch.setattr(cpu_gemm, "silu_and_mul_linear", lambda x, t, b=None: real(x, t, b) * 2)
+    with pytest.raises(bench_cpu.KernelMismatch, match="fused norm/gate at 16 rows"):
+        bench_cpu.gemm_row(torch, 16, plain, packed, iters=1)
 
 
 def test_a_wrong_projection_kernel_fails_the_benchmark(monkeypatch):
