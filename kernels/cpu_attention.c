@@ -11,7 +11,11 @@
  *   k_cache, v_cache  [num_kv_heads, num_blocks, block_size, head_dim], contiguous,
  *                     float32 or bfloat16 (bf16 stored as uint16: the top half of a float32),
  *                     or fp8 e4m3fn / e5m2 (one byte each, widened to float32 per block)
- *   query, out        [num_seqs, num_heads, head_dim] float32, contiguous
+ *   query, out        [num_seqs, num_heads, head_dim], heads packed within a sequence's row,
+ *                     rows q_stride / out_stride elements apart; float32, or bf16 (io_dtype
+ *                     1) so a bf16 model's q needs no float32 copy and its output no cast:
+ *                     each task widens its group's queries (exact) and rounds its outputs to
+ *                     nearest even, the bits torch's .to() gives
  *   block_tables      int32, row s at block_tables + s * table_stride
  *   seq_lens          int32 [num_seqs]
  * Query head h reads kv head h / (num_heads / num_kv_heads), as in the reference.
@@ -235,13 +239,15 @@ typedef struct {
     float *l;      /* [group, block_size]  running sums of exp(score - m), one per block slot */
     float *p;      /* [group, 32]  probabilities of two 16-row pieces per head (bf16 dot path) */
     uint16_t *qb;  /* [group, D]  the group's queries rounded to bf16, unscaled (bf16 dot path) */
+    float *qio;    /* [group, D]  a bf16 query widened (bf16 I/O) */
+    float *oio;    /* [group, D]  the output before it is rounded to bf16 (bf16 I/O) */
 } Scratch;
 
 static int scratch_alloc(Scratch *s, int group, int head_dim, int block_size) {
     const size_t gd = (size_t)group * head_dim, bd = (size_t)block_size * head_dim;
-    /* + p (group * 32) and qb (group * D bf16 = group * D / 2 floats, rounded up). */
+    /* + p (group * 32), qb (group * D bf16 = group * D / 2 floats, rounded up), qio, oio. */
     const size_t floats = 2 * gd + 2 * bd + block_size + group + (size_t)group * block_size +
-                          (size_t)group * 32 + (gd + 1) / 2;
+                          (size_t)group * 32 + (gd + 1) / 2 + 2 * gd;
     /* Zeroed: rows of kf past a short last block are read (and their results ignored). */
     float *base = calloc(floats, sizeof(float));
     if (!base) return ERR_NOMEM;
@@ -254,6 +260,8 @@ static int scratch_alloc(Scratch *s, int group, int head_dim, int block_size) {
     s->l = s->m + group;
     s->p = s->l + (size_t)group * block_size;
     s->qb = (uint16_t *)(s->p + (size_t)group * 32);
+    s->qio = s->p + (size_t)group * 32 + (gd + 1) / 2;
+    s->oio = s->qio + gd;
     return OK;
 }
 
@@ -713,14 +721,16 @@ static void attend_group_amx(AmxScratch *w, const float *query, float *out,
 
 /* Entry point (see the header comment for layouts). Returns OK, ERR_SHAPE or ERR_NOMEM; on an
  * error `out` is left partly unwritten and the caller must not use it. */
-int kvfleet_decode_attention(const float *query, float *out, const void *k_cache,
+int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_io,
+                             int64_t out_stride, int io_dtype, const void *k_cache,
                              const void *v_cache, int dtype, const int32_t *block_tables,
                              int64_t table_stride, const int32_t *seq_lens, int num_seqs,
                              int num_heads, int num_kv_heads, int head_dim, int block_size,
                              int64_t num_blocks, float scale, int num_threads, int allow_amx) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
         head_dim % LANES != 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 ||
-        block_size > MAX_BLOCK_SIZE || dtype < DTYPE_FLOAT32 || dtype > DTYPE_FP8_E5M2)
+        block_size > MAX_BLOCK_SIZE || dtype < DTYPE_FLOAT32 || dtype > DTYPE_FP8_E5M2 ||
+        (io_dtype != DTYPE_FLOAT32 && io_dtype != DTYPE_BFLOAT16))
         return ERR_SHAPE;
     const int group = num_heads / num_kv_heads;
     const int tasks = num_seqs * num_kv_heads;
@@ -755,26 +765,37 @@ int kvfleet_decode_attention(const float *query, float *out, const void *k_cache
         for (int task = 0; task < tasks; task++) {
             if (mine != OK) continue;
             const int seq = task / num_kv_heads, kvh = task % num_kv_heads;
-            const size_t first = ((size_t)seq * num_heads + (size_t)kvh * group) * head_dim;
-#ifdef HAVE_AMX
-            if (amx) {
-                attend_group_amx(amx, query + first, out + first, k_cache, v_cache,
-                                 block_tables + (size_t)seq * table_stride, seq_lens[seq], kvh,
-                                 group, block_size, num_blocks, scale);
-                continue;
+            const size_t head0 = (size_t)kvh * group * head_dim, gd = (size_t)group * head_dim;
+            const float *query;
+            float *out;
+            if (io_dtype == DTYPE_BFLOAT16) {
+                const uint16_t *qb = (const uint16_t *)query_io + seq * q_stride + head0;
+                for (size_t i = 0; i < gd; i++) s.qio[i] = bf16_to_f32(qb[i]);
+                query = s.qio;
+                out = s.oio;
+            } else {
+                query = (const float *)query_io + seq * q_stride + head0;
+                out = (float *)out_io + seq * out_stride + head0;
             }
+            const int32_t *table = block_tables + (size_t)seq * table_stride;
+#ifdef HAVE_AMX
+            if (amx)
+                attend_group_amx(amx, query, out, k_cache, v_cache, table, seq_lens[seq], kvh,
+                                 group, block_size, num_blocks, scale);
+            else
 #endif
 #ifdef HAVE_BF16_DOT
-            if (dtype == DTYPE_BFLOAT16 && block_size % 16 == 0 && head_dim % 32 == 0) {
-                attend_group_bf16(&s, query + first, out + first, k_cache, v_cache,
-                                  block_tables + (size_t)seq * table_stride, seq_lens[seq], kvh,
+            if (dtype == DTYPE_BFLOAT16 && block_size % 16 == 0 && head_dim % 32 == 0)
+                attend_group_bf16(&s, query, out, k_cache, v_cache, table, seq_lens[seq], kvh,
                                   group, head_dim, block_size, num_blocks, scale);
-                continue;
-            }
+            else
 #endif
-            attend_group(&s, query + first, out + first, k_cache, v_cache, dtype,
-                         block_tables + (size_t)seq * table_stride, seq_lens[seq], kvh, group,
-                         head_dim, block_size, num_blocks, scale);
+                attend_group(&s, query, out, k_cache, v_cache, dtype, table, seq_lens[seq], kvh,
+                             group, head_dim, block_size, num_blocks, scale);
+            if (io_dtype == DTYPE_BFLOAT16) {
+                uint16_t *ob = (uint16_t *)out_io + seq * out_stride + head0;
+                for (size_t i = 0; i < gd; i++) ob[i] = f32_to_bf16(s.oio[i]);
+            }
         }
 #ifdef HAVE_AMX
         if (amx) {

@@ -68,35 +68,44 @@ def decode_attention(
         return reference.decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale
         )
+    return run_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+
+
+def run_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_attention` for callers that have checked `available()` and `supports()` (the
+    dispatch does, once per layer). Runs 30 times a step: a bf16 query goes in as it is, rows
+    strided inside the qkv projection's output, and the output comes back in bf16, instead of
+    through a float32 copy and a cast each way."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    q = query.to(torch.float32).contiguous()
-    out = torch.empty_like(q)
-    tables = block_tables.to(torch.int32)
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    lens = seq_lens[:num_seqs].to(torch.int32).contiguous()
-    # The storage behind the permuted view: [kv_heads, blocks, block, D], contiguous.
-    k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
+    if query.dtype == torch.bfloat16 and query.stride(2) == 1 and query.stride(1) == head_dim:
+        q, io_dtype = query, _DTYPES[torch.bfloat16]
+    else:
+        q, io_dtype = query.to(torch.float32).contiguous(), _DTYPES[torch.float32]
+    out = torch.empty(query.shape, dtype=q.dtype)
+    tables = block_tables
+    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    lens = seq_lens[:num_seqs]
+    if lens.dtype != torch.int32 or not lens.is_contiguous():
+        lens = lens.to(torch.int32).contiguous()
+    # A head-major cache is a permuted view of [kv_heads, blocks, block, D] storage, which
+    # starts at the view's own data pointer.
     status = cpu_library.library().kvfleet_decode_attention(
-        q.data_ptr(),
-        out.data_ptr(),
-        k_store.data_ptr(),
-        v_store.data_ptr(),
-        _DTYPES[k_cache.dtype],
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        scale,
-        torch.get_num_threads(),
-        int(ALLOW_AMX),
-    )
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), io_dtype,
+        k_cache.data_ptr(), v_cache.data_ptr(), _DTYPES[k_cache.dtype],
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+        scale, torch.get_num_threads(), int(ALLOW_AMX),
+    )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"CPU decode attention kernel: {_ERRORS.get(status, status)}")
-    return out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)

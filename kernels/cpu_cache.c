@@ -15,7 +15,8 @@
  */
 
 #include <stdint.h>
-#include <string.h>
+
+#include "cpu_cache.h"
 
 enum { OK = 0, ERR_SHAPE = 1, ERR_SLOT = 2 };
 
@@ -31,14 +32,9 @@ int kvfleet_reshape_and_cache(const void *key, int64_t key_stride, const void *v
     const size_t head_plane = (size_t)capacity * row; /* one kv head's whole cache */
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        const char *k = (const char *)key + t * key_stride * elem_size;
-        const char *v = (const char *)value + t * value_stride * elem_size;
-        char *kc = (char *)k_cache + (size_t)slots[t] * row;
-        char *vc = (char *)v_cache + (size_t)slots[t] * row;
-        for (int h = 0; h < kv_heads; h++) {
-            memcpy(kc + h * head_plane, k + h * row, row);
-            memcpy(vc + h * head_plane, v + h * row, row);
-        }
+        cache_token((const char *)key + t * key_stride * elem_size,
+                    (const char *)value + t * value_stride * elem_size, k_cache, v_cache,
+                    slots[t], kv_heads, row, head_plane);
     }
     return OK;
 }

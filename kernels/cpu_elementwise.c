@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_cache.h"
 #include "cpu_math.h"
 
 #define LANES 16
@@ -30,7 +31,7 @@
  * more than the work (a decode step's 32 rows of 576). */
 #define PARALLEL_MIN_ELEMS 65536
 
-enum { OK = 0, ERR_SHAPE = 1, ERR_POSITION = 2 };
+enum { OK = 0, ERR_SHAPE = 1, ERR_POSITION = 2, ERR_SLOT = 3 };
 
 static inline int team(int64_t elems, int num_threads) {
     return elems < PARALLEL_MIN_ELEMS || num_threads < 1 ? 1 : num_threads;
@@ -66,29 +67,56 @@ static inline void rotate_heads(uint16_t *x, int heads, int head_dim, int half,
 /* q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] (heads contiguous within a
  * token, token strides given) rotated in place by cos_sin[positions[t]]: a float32 row of
  * rot_dim / 2 cosines then rot_dim / 2 sines, one row per position below max_position. A
- * position outside the table is an error before anything is written. */
+ * position outside the table is an error before anything is written.
+ * With k_cache non-NULL, each token's rotated K and its V (v: [tokens, k_heads, head_dim],
+ * token stride v_stride) then go into the bf16 head-major paged cache at slots[t], the bytes
+ * kvfleet_reshape_and_cache writes (a negative slot is skipped, one past the cache is an error
+ * before anything is written): one call per layer instead of two, K copied while in L1. */
+int kvfleet_rotary_and_cache_bf16(const int64_t *positions, int64_t tokens, uint16_t *q,
+                                  int64_t q_stride, int q_heads, uint16_t *k, int64_t k_stride,
+                                  const uint16_t *v, int64_t v_stride, int k_heads,
+                                  int head_dim, int rot_dim, const float *cos_sin,
+                                  int64_t cos_sin_stride, int64_t max_position,
+                                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
+                                  int64_t num_blocks, int block_size, int num_threads) {
+    if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > head_dim || rot_dim > 1024)
+        return ERR_SHAPE;
+    if (k_cache && (!v_cache || !v || !slots || block_size <= 0)) return ERR_SHAPE;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return ERR_POSITION;
+    const int64_t capacity = num_blocks * block_size;
+    if (k_cache)
+        for (int64_t t = 0; t < tokens; t++)
+            if (slots[t] >= capacity) return ERR_SLOT;
+    const int half = rot_dim / 2;
+    const size_t row = (size_t)head_dim * sizeof(uint16_t), plane = (size_t)capacity * row;
+    const int64_t elems = tokens * (q_heads + k_heads) * rot_dim;
+#pragma omp parallel for schedule(static) num_threads(team(elems, num_threads))
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * cos_sin_stride;
+        float cos[512], sin[512];
+        for (int i = 0; i < half; i++) {
+            cos[i] = bf16_to_f32(f32_to_bf16(cs[i]));
+            sin[i] = bf16_to_f32(f32_to_bf16(cs[half + i]));
+        }
+        rotate_heads(q + t * q_stride, q_heads, head_dim, half, cos, sin);
+        rotate_heads(k + t * k_stride, k_heads, head_dim, half, cos, sin);
+        if (k_cache && slots[t] >= 0)
+            cache_token((const char *)(k + t * k_stride), (const char *)(v + t * v_stride),
+                        (char *)k_cache, (char *)v_cache, slots[t], k_heads, row, plane);
+    }
+    return OK;
+}
+
+/* The rotation alone. */
 int kvfleet_rotary_neox_bf16(const int64_t *positions, int64_t tokens, uint16_t *q,
                              int64_t q_stride, int q_heads, uint16_t *k, int64_t k_stride,
                              int k_heads, int head_dim, int rot_dim, const float *cos_sin,
                              int64_t cos_sin_stride, int64_t max_position, int num_threads) {
-    if (rot_dim <= 0 || rot_dim % 2 != 0 || rot_dim > head_dim || rot_dim > 1024)
-        return ERR_SHAPE;
-    for (int64_t t = 0; t < tokens; t++)
-        if (positions[t] < 0 || positions[t] >= max_position) return ERR_POSITION;
-    const int half = rot_dim / 2;
-    const int64_t elems = tokens * (q_heads + k_heads) * rot_dim;
-#pragma omp parallel for schedule(static) num_threads(team(elems, num_threads))
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *row = cos_sin + positions[t] * cos_sin_stride;
-        float cos[512], sin[512];
-        for (int i = 0; i < half; i++) {
-            cos[i] = bf16_to_f32(f32_to_bf16(row[i]));
-            sin[i] = bf16_to_f32(f32_to_bf16(row[half + i]));
-        }
-        rotate_heads(q + t * q_stride, q_heads, head_dim, half, cos, sin);
-        rotate_heads(k + t * k_stride, k_heads, head_dim, half, cos, sin);
-    }
-    return OK;
+    return kvfleet_rotary_and_cache_bf16(positions, tokens, q, q_stride, q_heads, k, k_stride,
+                                         NULL, 0, k_heads, head_dim, rot_dim, cos_sin,
+                                         cos_sin_stride, max_position, NULL, NULL, NULL, 0, 0,
+                                         num_threads);
 }
 
 /* out[r, i] = bf16(silu(x[r, i]) * x[r, d + i]) for rows of 2 * d bf16 values (row stride

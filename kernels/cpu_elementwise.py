@@ -1,6 +1,6 @@
 """The fused CPU elementwise kernels (kernels/cpu_elementwise.c) behind the same signatures as
-their torch references: RMSNorm with residual add, neox rotary embedding, SwiGLU's
-silu-and-mul.
+their torch references: RMSNorm with residual add, neox rotary embedding (alone, or with the
+new K/V written into the paged cache), SwiGLU's silu-and-mul.
 
 They take bfloat16 activations only, the CPU default wherever the CPU has AVX-512 BF16: in
 float32 the reference stays, so float32 runs keep matching Hugging Face token for token. Inputs
@@ -10,7 +10,7 @@ a kernel cannot take go to the reference; `supports_*` say which.
 from __future__ import annotations
 
 import torch
-from kvfleet.kernels import cpu_library, reference
+from kvfleet.kernels import cpu_cache, cpu_library, reference
 
 _LANES = 16
 _MAX_ROTARY_DIM = 1024
@@ -136,6 +136,46 @@ def rotary_embedding(
         raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")
     _check(status, "rotary")
     return query, key
+
+
+def rotary_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    is_neox: bool = True,
+) -> torch.Tensor:
+    """`rotary_embedding` then `cpu_cache.reshape_and_cache` of the rotated key and the value
+    in one C call, the same bytes (one ctypes call and one check per layer instead of two, K
+    written to the cache while in L1). Returns the rotated query; key is rotated in place."""
+    if not (
+        supports_rotary(positions, query, key, cos_sin_cache, is_neox)
+        and k_cache.dtype == torch.bfloat16
+        and cpu_cache.supports(key, value, k_cache, v_cache, slot_mapping)
+    ):
+        query, key = rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+        cpu_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return query
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    status = cpu_library.library().kvfleet_rotary_and_cache_bf16(
+        positions.data_ptr(), positions.numel(),
+        query.data_ptr(), query.stride(0), query.shape[1],
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key.shape[1],
+        query.shape[2], cos_sin_cache.shape[-1],
+        cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+        num_blocks, block_size, torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 2:
+        raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")
+    if status == 3:
+        raise IndexError(f"reshape_and_cache: a slot is past the cache ({num_blocks * block_size})")
+    _check(status, "rotary-and-cache")
+    return query
 
 
 def supports_silu_and_mul(x: torch.Tensor) -> bool:

@@ -36,16 +36,17 @@ _SOURCE_NAMES = (
     "cpu_gemm.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [HERE / "cpu_math.h", HERE / "cpu_amx.h"]
+HEADERS = [HERE / "cpu_math.h", HERE / "cpu_amx.h", HERE / "cpu_cache.h"]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The library's C ABI in one place: argument types of every exported function (all return int).
 SIGNATURES: dict[str, list[type]] = {
-    # query, out, k_cache, v_cache, dtype, block_tables, table_stride, seq_lens, num_seqs,
-    # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads, allow_amx
-    "kvfleet_decode_attention": [_p, _p, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i, _i],
+    # query, q_stride, out, out_stride, io_dtype, k_cache, v_cache, dtype, block_tables,
+    # table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+    # num_blocks, scale, num_threads, allow_amx
+    "kvfleet_decode_attention": [_p, _i64, _p, _i64, _i, _p, _p, _i, _p, _i64, _p, _i, _i, _i, _i, _i, _i64, _f, _i, _i],
     "kvfleet_cpu_attention_bf16_dot": [],
     "kvfleet_cpu_attention_amx": [],
     # query, q_stride, out, out_stride, k_cache, v_cache, block_table, seq_len, q_len,
@@ -60,6 +61,10 @@ SIGNATURES: dict[str, list[type]] = {
     # positions, tokens, q, q_stride, q_heads, k, k_stride, k_heads, head_dim, rot_dim,
     # cos_sin, cos_sin_stride, max_position, num_threads
     "kvfleet_rotary_neox_bf16": [_p, _i64, _p, _i64, _i, _p, _i64, _i, _i, _i, _p, _i64, _i64, _i],
+    # positions, tokens, q, q_stride, q_heads, k, k_stride, v, v_stride, kv_heads, head_dim,
+    # rot_dim, cos_sin, cos_sin_stride, max_position, k_cache, v_cache, slots, num_blocks,
+    # block_size, num_threads
+    "kvfleet_rotary_and_cache_bf16": [_p, _i64, _p, _i64, _i, _p, _i64, _p, _i64, _i, _i, _i, _p, _i64, _i64, _p, _p, _p, _i64, _i, _i],
     # x, x_stride, out, rows, d, num_threads
     "kvfleet_silu_and_mul_bf16": [_p, _i64, _p, _i64, _i, _i],
     # x, x_stride, rows, cols, out, num_threads

@@ -139,6 +139,18 @@ def silu_and_mul_linear(
     return linear(silu_and_mul(x), weight, bias)
 
 
+def rotary_and_cache(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """`rotary_embedding` of q and k, then `reshape_and_cache` of the rotated k and v; returns
+    the rotated q. On CPU one C call does both (a decode step makes 30 of them)."""
+    if use_triton(query):
+        query, key = rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)
+        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return query
+    return cpu_elementwise.rotary_and_cache(
+        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
     if use_triton(key):
@@ -166,7 +178,7 @@ def paged_attention(
     # has AMX (1.7-2.6x SDPA, `kvfleet bench cpu-kernels`); anything else stays on the reference.
     decode_fn = prefill_fn = None
     if cpu_attention.supports(query, k_cache, v_cache) and cpu_attention.available():
-        decode_fn = cpu_attention.decode_attention
+        decode_fn = cpu_attention.run_decode
     has_prefills = meta.num_seqs > meta.num_decodes
     if has_prefills and cpu_prefill.supports(query, k_cache, v_cache) and cpu_prefill.available():
         prefill_fn = cpu_prefill.prefill_attention

@@ -76,9 +76,10 @@ class LlamaDecoderLayer(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = dispatch.rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True)
         k_cache, v_cache = kv_cache
-        dispatch.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = dispatch.rotary_and_cache(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping
+        )
         attn = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
         hidden = dispatch.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         gate_up, residual = dispatch.rms_norm_linear(

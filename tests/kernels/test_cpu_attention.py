@@ -116,6 +116,22 @@ def test_decode_scores_that_keep_rising_rescale_exactly():
         torch.testing.assert_close(got[s].double(), dense, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_bf16_query_strided_in_qkv_rows_gives_the_float32_paths_bits(monkeypatch, amx):
+    """A bf16 model's q is a view into the qkv projection's rows; the kernel reads it in place
+    and writes bf16, the same bits as widening q to float32 and casting the output back."""
+    monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
+    _, _, (query, k, v, tables, lens, max_len, scale) = make_inputs(3, 9, 3, 3, 64, 16, BF16, 150)
+    qkv = torch.randn((9, query.shape[1] * 64 + 2 * 3 * 64), dtype=F32).to(BF16)
+    q_view = qkv[:, : query.shape[1] * 64].view(9, query.shape[1], 64)
+    q_view.copy_(query)
+    assert not q_view.is_contiguous()
+    got = cpu_attention.run_decode(q_view, k, v, tables, lens, max_len, scale)
+    via_float32 = cpu_attention.run_decode(q_view.float(), k, v, tables, lens, max_len, scale)
+    assert got.dtype == BF16 and via_float32.dtype == F32
+    assert torch.equal(got, via_float32.to(BF16))
+
+
 def test_thread_counts_agree():
     """Each (sequence, kv head) is computed by one thread in a fixed order: 1 and 2 threads
     give bit-identical results."""
@@ -155,8 +171,8 @@ def _dispatch_mixed_batch(monkeypatch, expect_kernel: bool) -> None:
     meta = attention_metadata(case, [1, 1, 5], num_decodes=2, block_size=16)
     tokens = torch.randn((7, query.shape[1], 64), generator=torch.Generator().manual_seed(1))
     calls = []
-    real = cpu_attention.decode_attention
-    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    real = cpu_attention.run_decode
+    monkeypatch.setattr(cpu_attention, "run_decode", lambda *a: calls.append(1) or real(*a))
     got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[F32])
