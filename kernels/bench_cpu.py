@@ -54,6 +54,7 @@ class PrefillRow:
 
 @dataclass(slots=True)
 class DecodeRow:
+    block_order: str  # "shuffled" or "consecutive" physical blocks within each sequence
     sequences: int
     context_tokens: int  # summed over the sequences
     reference_ms: float
@@ -126,9 +127,11 @@ def _verify(torch, name: str, got, want) -> None:
         raise KernelMismatch(f"{name}: disagrees with the torch reference\n{exc}") from None
 
 
-def _paged_cache(torch, lens: list[int], gen):
-    """Head-major bf16 K/V caches holding sequences of `lens` tokens in shuffled blocks, and
-    their block tables."""
+def _paged_cache(torch, lens: list[int], gen, shuffled: bool = True):
+    """Head-major bf16 K/V caches holding sequences of `lens` tokens, and their block tables:
+    blocks in shuffled order, or each sequence's blocks consecutive in memory (as a prompt's
+    blocks are, allocated together; the standard workload's block tables are 75-97% consecutive
+    neighbours)."""
     from kvfleet.kernels import reference
 
     blocks = [-(-n // BLOCK_SIZE) for n in lens]
@@ -137,7 +140,9 @@ def _paged_cache(torch, lens: list[int], gen):
                                        torch.bfloat16, "cpu", head_major=True)  # fmt: skip
     k.copy_(torch.randn(k.shape, generator=gen).to(torch.bfloat16))
     v.copy_(torch.randn(v.shape, generator=gen).to(torch.bfloat16))
-    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    order = (
+        torch.randperm(num_blocks, generator=gen) if shuffled else torch.arange(num_blocks)
+    ).to(torch.int32)
     tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     used = 0
     for i, n in enumerate(blocks):
@@ -178,7 +183,7 @@ def prefill_row(torch, q_len: int, ctx: int, iters: int) -> PrefillRow:
 
 
 def decode_row(
-    torch, iters: int, seqs: int = DECODE_SEQS, layers: int = DECODE_LAYERS
+    torch, iters: int, seqs: int = DECODE_SEQS, layers: int = DECODE_LAYERS, shuffled: bool = True
 ) -> DecodeRow:
     """Decode attention over `layers` distinct caches per timed call (a step's worth), per
     layer: the AMX path, the AVX512-BF16 dot path, and the torch reference."""
@@ -187,7 +192,7 @@ def decode_row(
     rng = random.Random(0)
     lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
     gen = torch.Generator().manual_seed(1)
-    caches = [_paged_cache(torch, lens, gen) for _ in range(layers)]
+    caches = [_paged_cache(torch, lens, gen, shuffled) for _ in range(layers)]
     q = torch.randn(seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     scale, max_len = HEAD_DIM**-0.5, max(lens)
@@ -222,7 +227,7 @@ def decode_row(
         return kv_bytes / (ms * 1e-3) / 1e9 if ms else None
 
     return DecodeRow(
-        seqs, sum(lens), reference_ms, dot_ms, amx_ms, gbps(dot_ms), gbps(amx_ms),
+        "shuffled" if shuffled else "consecutive", seqs, sum(lens), reference_ms, dot_ms, amx_ms, gbps(dot_ms), gbps(amx_ms),
         dot_ms / amx_ms if dot_ms and amx_ms else None,
     )  # fmt: skip
 
@@ -350,7 +355,10 @@ def measure(iters: int) -> dict:
         "verified_against_reference": True,  # every path, before timing (else KernelMismatch)
         "read_gbps": read_gbps(torch, iters),
         "prefill": [asdict(prefill_row(torch, q, c, iters)) for q, c in PREFILL_SHAPES],
-        "decode": [asdict(decode_row(torch, iters, DECODE_SEQS, DECODE_LAYERS))],
+        "decode": [
+            asdict(decode_row(torch, iters, DECODE_SEQS, DECODE_LAYERS, shuffled))
+            for shuffled in (True, False)
+        ],
         "projections": gemm_rows(torch, iters),
     }
 
@@ -394,7 +402,8 @@ def print_report(report: dict) -> None:
     print("decode attention, ms per layer (GB/s of K/V read)")
     for r in report["decode"]:
         print(
-            f"{r['sequences']} sequences, {r['context_tokens']} context tokens: "
+            f"{r['sequences']} sequences, {r['context_tokens']} context tokens, "
+            f"{r['block_order']} blocks: "
             f"torch {r['reference_ms']:.2f}, dot {_fmt(r['dot_ms'], '.2f')} "
             f"({_fmt(r['dot_gbps'], '.1f')}), AMX {_fmt(r['amx_ms'], '.2f')} "
             f"({_fmt(r['amx_gbps'], '.1f')}), AMX over dot "

@@ -20,12 +20,22 @@ def test_prefill_row_times_the_amx_kernel_against_sdpa():
         assert row.amx_ms is None and row.amx_speedup is None
 
 
-def test_decode_row_times_each_path_this_cpu_has():
-    row = bench_cpu.decode_row(torch, iters=1, seqs=3, layers=2)
+@pytest.mark.parametrize("shuffled", [True, False], ids=["shuffled", "consecutive"])
+def test_decode_row_times_each_path_this_cpu_has(shuffled):
+    row = bench_cpu.decode_row(torch, iters=1, seqs=3, layers=2, shuffled=shuffled)
     assert row.sequences == 3 and row.reference_ms > 0
+    assert row.block_order == ("shuffled" if shuffled else "consecutive")
     assert (row.dot_ms is not None) == cpu_attention.uses_bf16_dot()
     assert (row.amx_ms is not None) == cpu_attention.uses_amx()
     assert cpu_attention.ALLOW_AMX  # restored after timing the dot path
+
+
+def test_consecutive_layout_gives_each_sequence_one_run_of_blocks():
+    gen = torch.Generator().manual_seed(0)
+    _, _, tables = bench_cpu._paged_cache(torch, [40, 16, 1], gen, shuffled=False)
+    assert tables[:, :3].tolist() == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
+    _, _, shuffled = bench_cpu._paged_cache(torch, [400], gen)
+    assert sorted(shuffled[0].tolist()) == list(range(25)) != shuffled[0].tolist()
 
 
 def test_a_wrong_kernel_fails_the_benchmark_instead_of_timing_it(monkeypatch, capsys):
@@ -49,7 +59,10 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["verified_against_reference"] is True
     assert [r["query_tokens"] for r in report["prefill"]] == [20]
-    assert report["decode"][0]["sequences"] == 2
+    assert [(r["block_order"], r["sequences"]) for r in report["decode"]] == [
+        ("shuffled", 2),
+        ("consecutive", 2),
+    ]
     assert [r["rows"] for r in report["projections"]] == [4]
     assert "prefill attention" in capsys.readouterr().out
 
