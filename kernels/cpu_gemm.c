@@ -21,7 +21,7 @@
  * weight comes from memory once and from cache for the other panels. While the first panel
  * multiplies, the lines two K steps ahead of both B streams are prefetched into L1: a tile load
  * that misses holds its tile register, and with it the multiplies behind it, for the whole
- * miss (3-17% faster at 1-96 rows in interleaved runs; prefetching into L2, further ahead, or
+ * miss (2-17% faster at 1-96 rows in interleaved runs; prefetching into L2, further ahead, or
  * the A tiles too, gained nothing more). Tried and slower: four row tiles sharing each B tile
  * (more A loads per multiply), 16-row panels. */
 #include "cpu_amx.h"
@@ -59,9 +59,9 @@ static void write_tile(float *scratch, uint16_t *out, int64_t out_stride, int ro
         store_row(out + r * out_stride, scratch + r * TILE_COLS, bias);
 }
 
-/* Ask for the B tiles' lines PREFETCH_BYTES past `at` in both streams. Past the unit's end
- * they are the next unit's (a thread's units are contiguous); past the buffer's end a prefetch
- * is dropped, never a fault. */
+/* Ask for the B tiles' lines PREFETCH_BYTES past `at` in both streams. Past a column block's
+ * end they are the next block's first tiles (a thread's units are contiguous, so it reads them
+ * next or soon); past the buffer's end a prefetch is dropped, never a fault. */
 static inline void prefetch_b(const uint16_t *w, const uint16_t *w1, int64_t at) {
     const char *p0 = (const char *)(w + at) + PREFETCH_BYTES;
     const char *p1 = (const char *)(w1 + at) + PREFETCH_BYTES;
