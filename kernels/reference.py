@@ -78,6 +78,13 @@ def allocate_kv_cache(
 
 
 def _is_head_major(cache: torch.Tensor) -> bool:
+    """Whether a [blocks, block, kv_heads, D] cache is a view of contiguous [kv_heads, blocks,
+    block, D] storage. Asked several times per layer by the CPU kernels' checks: the strides
+    allocate_kv_cache gives are compared first, the permuted view (which also accepts the
+    layouts that size-1 dimensions make equivalent) built only when they differ."""
+    blocks, block, _, dim = cache.shape
+    if cache.stride() == (block * dim, dim, blocks * block * dim, 1):
+        return True
     return cache.permute(2, 0, 1, 3).is_contiguous()
 
 

@@ -128,3 +128,16 @@ def test_rotary_and_cache_into_other_caches_takes_the_separate_paths(cache_dtype
     got_q = dispatch.rotary_and_cache(positions, q, k, v, cos_sin, got_k, got_v, slots)
     assert torch.equal(got_q, wq)
     assert torch.equal(got_k.float(), want_k.float()) and torch.equal(got_v.float(), want_v.float())
+
+
+def test_head_major_check_matches_the_storage_layout():
+    """The C kernels' layout check: true for head-major caches (and for a one-head token-major
+    cache, the same bytes), false for token-major caches and for slices of a head-major cache
+    whose head planes are no longer contiguous."""
+    head_major = caches(6, 16, 3, 64, torch.bfloat16)[0]
+    token_major = caches(6, 16, 3, 64, torch.bfloat16, head_major=False)[0]
+    one_head = caches(6, 16, 1, 64, torch.bfloat16, head_major=False)[0]
+    assert reference._is_head_major(head_major) and reference._is_head_major(one_head)
+    assert not reference._is_head_major(token_major)
+    assert not reference._is_head_major(head_major[:3])  # planes 6 blocks apart, 3 long
+    assert not reference._is_head_major(head_major[:, :8])
