@@ -40,6 +40,7 @@
 #endif
 
 #include "cpu_amx.h"
+#include "cpu_entry_points.h"
 #include "cpu_math.h"
 
 #define LANES 16

@@ -23,6 +23,7 @@
 #endif
 
 #include "cpu_cache.h"
+#include "cpu_entry_points.h"
 #include "cpu_math.h"
 
 #define LANES 16

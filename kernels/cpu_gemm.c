@@ -25,6 +25,7 @@
  * the A tiles too, gained nothing more). Tried and slower: four row tiles sharing each B tile
  * (more A loads per multiply), 16-row panels. */
 #include "cpu_amx.h"
+#include "cpu_entry_points.h"
 #include "cpu_math.h"
 
 #include <stdint.h>

@@ -1,6 +1,6 @@
 """The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_cache.c,
-cpu_elementwise.c, cpu_argmax.c and cpu_gemm.c (with their shared headers cpu_math.h and
-cpu_amx.h), built into one shared object.
+cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c and cpu_decode_step.c (with their shared headers
+cpu_math.h, cpu_amx.h, cpu_cache.h and cpu_entry_points.h), built into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -34,9 +34,10 @@ _SOURCE_NAMES = (
     "cpu_elementwise.c",
     "cpu_argmax.c",
     "cpu_gemm.c",
+    "cpu_decode_step.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [HERE / "cpu_math.h", HERE / "cpu_amx.h", HERE / "cpu_cache.h"]
+HEADERS = [HERE / name for name in ("cpu_math.h", "cpu_amx.h", "cpu_cache.h", "cpu_entry_points.h")]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -73,6 +74,9 @@ SIGNATURES: dict[str, list[type]] = {
     # out_stride, m, n, k, num_threads
     "kvfleet_linear_amx_bf16": [_p, _i64, _i, _p, _i, _p, _f, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "kvfleet_linear_amx": [],
+    # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
+    # table_stride, seq_lens, allow_amx, num_threads
+    "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
 }  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from kvfleet.kernels import (
     cpu_argmax,
     cpu_attention,
     cpu_cache,
+    cpu_decode_step,
     cpu_elementwise,
     cpu_gemm,
     cpu_linear,
@@ -149,6 +150,20 @@ def rotary_and_cache(positions, query, key, value, cos_sin_cache, k_cache, v_cac
     return cpu_elementwise.rotary_and_cache(
         positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
+
+
+def decode_stack(
+    layers: list[cpu_decode_step.LayerWeights],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    cos_sin_cache: torch.Tensor,
+    shape: cpu_decode_step.StackShape,
+) -> cpu_decode_step.DecodeStack | None:
+    """The whole decoder stack's decode step as one C call where the CPU path takes these
+    weights and caches (`cpu_decode_step.build`), else None: the model then runs its layers op
+    by op, as it always does under Triton."""
+    if use_triton(cos_sin_cache):
+        return None
+    return cpu_decode_step.build(layers, kv_caches, cos_sin_cache, shape)
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:

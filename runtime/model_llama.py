@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvfleet.kernels import dispatch
+from kvfleet.kernels import cpu_decode_step, dispatch
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.model_config import ModelConfig
 from torch import nn
@@ -116,6 +116,9 @@ class LlamaModel(nn.Module):
             else _param(config.vocab_size, h, dtype=dtype, device=device)
         )
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
+        # The fused decode step for the caches it was built for (`_decode_stack_for`).
+        self._stack_caches: list | None = None
+        self._stack: cpu_decode_step.DecodeStack | None = None
 
     def prepack(self) -> None:
         """Swap every projection weight and the LM head for the layout `dispatch.linear` runs
@@ -126,6 +129,38 @@ class LlamaModel(nn.Module):
             for name in PROJECTIONS:
                 _prepack(layer, name)
         _prepack(self, "lm_head")
+        self._stack_caches = self._stack = None  # weights moved: build it afresh
+
+    def _decode_stack_for(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> cpu_decode_step.DecodeStack | None:
+        """The fused decode step over these caches where the kernels offer one (built on the
+        first step that brings them: the engine passes the same list every step)."""
+        if kv_caches is not self._stack_caches:
+            cfg = self.config
+            layers = [
+                cpu_decode_step.LayerWeights(
+                    layer.input_layernorm,
+                    layer.qkv_proj,
+                    layer.qkv_bias,
+                    layer.o_proj,
+                    layer.post_attention_layernorm,
+                    layer.gate_up_proj,
+                    layer.down_proj,
+                )
+                for layer in self.layers
+            ]
+            shape = cpu_decode_step.StackShape(
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.intermediate_size,
+                cfg.rms_norm_eps,
+                self.layers[0].scale,
+            )
+            self._stack = dispatch.decode_stack(layers, kv_caches, self.cos_sin_cache, shape)
+            self._stack_caches = kv_caches
+        return self._stack
 
     def forward(
         self,
@@ -137,11 +172,16 @@ class LlamaModel(nn.Module):
         """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
         decodes first, as `meta` describes); K/V of every token is written to `kv_caches`."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(
-                positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
-            )
+        stack = self._decode_stack_for(kv_caches)
+        if stack is not None and stack.accepts(meta, hidden.shape[0]):
+            # The same six kernels per layer as below, in one call (cpu_decode_step).
+            hidden, residual = stack.run(hidden, positions, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(
+                    positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
+                )
         hidden, _ = dispatch.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 

@@ -1,0 +1,103 @@
+/* A decode step through a whole Llama-family decoder stack in one call.
+ *
+ * Why: per layer the model makes six kernel calls (RMSNorm + qkv, rotary + cache write,
+ * attention, o, RMSNorm + gate/up, SiLU-and-mul + down), each behind Python checks, a tensor or
+ * two and a ctypes call of up to 21 arguments. Here the same six kernels run in the same order
+ * on the same inputs, so the results are the same bits as the per-op path
+ * (tests/runtime/test_decode_step.py compares them), and Python makes one call a step. On the
+ * 2-core host (bundled model, 400-token contexts, interleaved steps) a decode step went
+ * 24.1 -> 15.1 ms at 1 sequence, 26.7 -> 19.9 at 8, 66.6 -> 51.9 at 32 and 101 -> 84 at 64.
+ * The Python and ctypes work alone measures ~4 ms a step (kernels stubbed out: 3.2 ms, plus
+ * 3.6 us per ctypes call); the rest of the difference is not attributed.
+ *
+ * It takes decode-only steps whose projections run on the AMX GEMM (rows up to
+ * cpu_gemm.MAX_ROWS), bf16 weights and head-major bf16 caches; cpu_decode_step.py checks that
+ * once per stack and step, and everything else keeps the per-op path. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_entry_points.h"
+
+enum { OK = 0, ERR_NOMEM = 2 };
+/* A failure is reported as ((layer * STAGES) + stage) * STATUS_RANGE + the kernel's status. */
+enum { STAGE_QKV = 1, STAGE_ROTARY_CACHE, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_DOWN };
+#define STAGES 8
+#define STATUS_RANGE 16
+
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SILU_AND_MUL = 2 }; /* cpu_gemm.c's */
+enum { DTYPE_BFLOAT16 = 1 }; /* cpu_attention.c's code, for its q/out and for the caches */
+
+/* One layer's weights (projections packed by cpu_gemm.pack) and its K/V caches. */
+typedef struct {
+    const uint16_t *input_norm, *qkv;
+    const float *qkv_bias; /* NULL without q/k/v biases */
+    const uint16_t *o, *post_norm, *gate_up, *down;
+    uint16_t *k_cache, *v_cache; /* head-major [kv_heads, num_blocks, block_size, head_dim] */
+} DecodeLayer;
+
+/* What stays fixed from step to step (cpu_decode_step.py builds it once). */
+typedef struct {
+    const DecodeLayer *layers;
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rot_dim;
+    int32_t block_size;
+    int64_t num_blocks;
+    const float *cos_sin; /* rows of rot_dim / 2 cosines then sines, float32 */
+    int64_t cos_sin_stride, max_position;
+    float eps, scale;
+} DecodeStack;
+
+#define FAIL(stage, call)                                                                  \
+    do {                                                                                   \
+        const int status_ = (call);                                                        \
+        if (status_ != OK) {                                                               \
+            free(buffers);                                                                 \
+            return ((layer * STAGES) + (stage)) * STATUS_RANGE + status_;                  \
+        }                                                                                  \
+    } while (0)
+
+/* m sequences, one new token each: hidden [m, hidden] bf16 holds their embeddings and becomes
+ * the last layer's output; residual [m, hidden] float32 (contents ignored) becomes the residual
+ * stream beside it, as LlamaModel.forward's loop leaves them. positions and slots [m] int64,
+ * block tables int32 rows table_stride apart, seq_lens [m] int32 (the new token included). */
+int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual,
+                             int64_t m, const int64_t *positions, const int64_t *slots,
+                             const int32_t *block_tables, int64_t table_stride,
+                             const int32_t *seq_lens, int allow_amx, int num_threads) {
+    const int64_t h = stack->hidden, d = stack->head_dim;
+    const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
+    const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * (int64_t)stack->intermediate;
+    uint16_t *buffers = malloc((size_t)m * (qkv_n + q_size + gate_up_n) * sizeof(uint16_t));
+    if (!buffers) return ERR_NOMEM;
+    uint16_t *qkv = buffers, *attn = qkv + m * qkv_n, *gate_up = attn + m * q_size;
+
+    for (int layer = 0; layer < stack->num_layers; layer++) {
+        const DecodeLayer *w = &stack->layers[layer];
+        /* The first layer starts the residual stream from the embeddings. */
+        FAIL(STAGE_QKV, kvfleet_linear_amx_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, layer > 0,
+                                                w->input_norm, stack->eps, w->qkv, w->qkv_bias,
+                                                qkv, qkv_n, m, qkv_n, h, num_threads));
+        FAIL(STAGE_ROTARY_CACHE,
+             kvfleet_rotary_and_cache_bf16(
+                 positions, m, qkv, qkv_n, stack->num_heads, qkv + q_size, qkv_n,
+                 qkv + q_size + kv_size, qkv_n, stack->num_kv_heads, (int)d, stack->rot_dim,
+                 stack->cos_sin, stack->cos_sin_stride, stack->max_position, w->k_cache,
+                 w->v_cache, slots, stack->num_blocks, stack->block_size, num_threads));
+        FAIL(STAGE_ATTENTION,
+             kvfleet_decode_attention(qkv, qkv_n, attn, q_size, DTYPE_BFLOAT16, w->k_cache,
+                                      w->v_cache, DTYPE_BFLOAT16, block_tables, table_stride,
+                                      seq_lens, (int)m, stack->num_heads, stack->num_kv_heads,
+                                      (int)d, stack->block_size, stack->num_blocks, stack->scale,
+                                      num_threads, allow_amx));
+        FAIL(STAGE_O, kvfleet_linear_amx_bf16(attn, q_size, PROLOGUE_NONE, NULL, 0, NULL, 0.0f,
+                                              w->o, NULL, hidden, h, m, h, q_size, num_threads));
+        FAIL(STAGE_GATE_UP,
+             kvfleet_linear_amx_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, 1, w->post_norm,
+                                     stack->eps, w->gate_up, NULL, gate_up, gate_up_n, m,
+                                     gate_up_n, h, num_threads));
+        FAIL(STAGE_DOWN, kvfleet_linear_amx_bf16(gate_up, gate_up_n, PROLOGUE_SILU_AND_MUL, NULL,
+                                                 0, NULL, 0.0f, w->down, NULL, hidden, h, m, h,
+                                                 stack->intermediate, num_threads));
+    }
+    free(buffers);
+    return OK;
+}

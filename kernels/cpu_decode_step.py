@@ -1,0 +1,285 @@
+"""A decode step through a whole Llama-family decoder stack in one C call
+(kernels/cpu_decode_step.c).
+
+The C side chains the six kernels the per-op path calls per layer (cpu_gemm's RMSNorm + qkv,
+cpu_elementwise's rotary + cache write, cpu_attention's decode, cpu_gemm's o, RMSNorm + gate/up
+and SiLU-and-mul + down) in the same order on the same inputs: the same bits, with one Python
+call a step instead of six per layer. On the 2-core host that took a bundled-model decode step
+from 24.1 to 15.1 ms at 1 sequence and from 66.6 to 51.9 ms at 32 (cpu_decode_step.c says more).
+
+`build` says once per stack and set of caches whether it applies (bf16 weights prepacked for the
+AMX GEMM, head-major bf16 caches); `DecodeStack.accepts` says per step (decodes only, at most
+`cpu_gemm.MAX_ROWS` of them, the row count where projections leave the AMX GEMM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from kvfleet.kernels import cpu_attention, cpu_gemm, cpu_library, cpu_linear, reference
+from kvfleet.kernels.metadata import AttentionMetadata
+
+# Whether decode steps may take the fused call (tests turn it off to run the per-op path on the
+# same model and compare).
+ENABLED = True
+
+_BF16 = torch.bfloat16
+_MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE, _MAX_ROTARY_DIM = 256, 16, 256, 1024
+# cpu_decode_step.c's stage codes, for error messages.
+_STAGES = {
+    1: "RMSNorm + qkv projection",
+    2: "rotary + cache write",
+    3: "attention",
+    4: "o projection",
+    5: "RMSNorm + gate/up projection",
+    6: "SiLU-and-mul + down projection",
+}
+_NUM_STAGES, _STATUS_RANGE = 8, 16
+_ROTARY_STAGE, _ERR_POSITION, _ERR_SLOT = 2, 2, 3
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.POINTER(_Layer)),
+        ("num_layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("rot_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int64),
+        ("cos_sin", ctypes.c_void_p),
+        ("cos_sin_stride", ctypes.c_int64),
+        ("max_position", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's weights as the model holds them after `prepack`."""
+
+    input_norm: torch.Tensor
+    qkv: object  # cpu_linear.PackedLinear where the stack applies
+    qkv_bias: torch.Tensor | None
+    o: object
+    post_norm: torch.Tensor
+    gate_up: object
+    down: object
+
+
+@dataclass(slots=True, frozen=True)
+class StackShape:
+    """The decoder stack's dimensions the C call needs beside its weights."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class DecodeStack:
+    """A decoder stack's weights and K/V caches as cpu_decode_step.c reads them. It holds every
+    tensor it points at, so the pointers stay valid for its lifetime; it is bound to those
+    caches (`build` again for others)."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerWeights],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        cos_sin_cache: torch.Tensor,
+        shape: StackShape,
+    ) -> None:
+        # Kernel inputs: the bias as float32 (what cpu_gemm passes), the packed tiles.
+        biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in layers]
+        self._keep = [layers, kv_caches, cos_sin_cache, biases]
+        self._layers = (_Layer * len(layers))()
+        for entry, w, bias, (k_cache, v_cache) in zip(
+            self._layers, layers, biases, kv_caches, strict=True
+        ):
+            entry.input_norm = w.input_norm.data_ptr()
+            entry.qkv = w.qkv.tiles.data_ptr()
+            entry.qkv_bias = bias.data_ptr() if bias is not None else None
+            entry.o = w.o.tiles.data_ptr()
+            entry.post_norm = w.post_norm.data_ptr()
+            entry.gate_up = w.gate_up.tiles.data_ptr()
+            entry.down = w.down.tiles.data_ptr()
+            # A head-major cache is a permuted view of [kv_heads, blocks, block, D] storage,
+            # which starts at the view's own data pointer.
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        num_blocks, block_size = kv_caches[0][0].shape[:2]
+        self.hidden = layers[0].input_norm.shape[0]
+        self._stack = _Stack(
+            self._layers,
+            len(layers),
+            self.hidden,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.intermediate,
+            cos_sin_cache.shape[1],
+            block_size,
+            num_blocks,
+            cos_sin_cache.data_ptr(),
+            cos_sin_cache.stride(0),
+            cos_sin_cache.shape[0],
+            shape.eps,
+            shape.scale,
+        )
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_position = cos_sin_cache.shape[0]
+
+    def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
+        """Whether this step runs here: only decodes, at most `cpu_gemm.MAX_ROWS` of them."""
+        return (
+            ENABLED
+            and 0 < rows <= cpu_gemm.MAX_ROWS
+            and meta.num_decodes == rows == meta.num_seqs
+            and meta.block_tables.dtype == torch.int32
+            and meta.block_tables.stride(-1) == 1
+            and meta.seq_lens.dtype == torch.int32
+            and meta.seq_lens.is_contiguous()
+            and meta.slot_mapping.dtype == torch.int64
+            and meta.slot_mapping.is_contiguous()
+            and meta.slot_mapping.numel() == rows
+        )
+
+    def run(
+        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the last layer for a step `accepts` took: the pair the
+        per-op layer loop returns. `hidden` ([rows, hidden] bf16 embeddings) is overwritten."""
+        rows = hidden.shape[0]
+        if (
+            hidden.shape != (rows, self.hidden)
+            or hidden.dtype != _BF16
+            or hidden.stride()
+            != (
+                self.hidden,
+                1,
+            )
+        ):
+            raise ValueError(
+                f"decode step: hidden must be contiguous bf16 [{rows}, {self.hidden}], got "
+                f"{tuple(hidden.shape)} {hidden.dtype}"
+            )
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        residual = torch.empty(rows, self.hidden, dtype=torch.float32)
+        tables = meta.block_tables
+        status = cpu_library.library().kvfleet_decode_step_bf16(
+            ctypes.byref(self._stack), hidden.data_ptr(), residual.data_ptr(), rows,
+            positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+            tables.stride(0), meta.seq_lens.data_ptr(), int(cpu_attention.ALLOW_AMX),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            self._raise(status)
+        return hidden, residual
+
+    def _raise(self, status: int) -> None:
+        code, stage = status % _STATUS_RANGE, status // _STATUS_RANGE
+        layer, stage = divmod(stage, _NUM_STAGES)
+        if stage == _ROTARY_STAGE and code == _ERR_POSITION:
+            raise IndexError(f"rotary_embedding: a position is outside [0, {self.max_position})")
+        if stage == _ROTARY_STAGE and code == _ERR_SLOT:
+            capacity = self.num_blocks * self.block_size
+            raise IndexError(f"reshape_and_cache: a slot is past the cache ({capacity})")
+        if stage == 0:
+            raise MemoryError("decode step: out of memory for its activations")
+        raise RuntimeError(
+            f"decode step: layer {layer}'s {_STAGES.get(stage, stage)} kernel failed with "
+            f"status {code}"
+        )
+
+
+def _packed(weight: object) -> bool:
+    return isinstance(weight, cpu_linear.PackedLinear) and weight.tiles is not None
+
+
+def _norm_ok(weight: torch.Tensor, hidden: int) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == _BF16
+        and weight.shape == (hidden,)
+        and weight.is_contiguous()
+    )
+
+
+def _cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, first: torch.Tensor, shape) -> bool:
+    return (
+        k_cache.device.type == v_cache.device.type == "cpu"
+        and k_cache.dtype == v_cache.dtype == _BF16
+        and k_cache.shape == v_cache.shape == first.shape
+        and k_cache.shape[2:] == (shape.num_kv_heads, shape.head_dim)
+        and reference._is_head_major(k_cache)
+        and reference._is_head_major(v_cache)
+    )
+
+
+def build(
+    layers: Sequence[LayerWeights],
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    cos_sin_cache: torch.Tensor,
+    shape: StackShape,
+) -> DecodeStack | None:
+    """The fused decode step for these weights and caches, or None where it does not apply
+    (then the model keeps its per-op layer loop, which handles every case)."""
+    if not (layers and len(layers) == len(kv_caches) and cpu_gemm.available()):
+        return None
+    hidden = layers[0].input_norm.shape[0]
+    d, rot = shape.head_dim, cos_sin_cache.shape[-1]
+    qkv_n = (shape.num_heads + 2 * shape.num_kv_heads) * d
+    first = kv_caches[0][0]
+    if not (
+        hidden % _LANES == 0
+        and shape.num_kv_heads > 0
+        and shape.num_heads % shape.num_kv_heads == 0
+        and d % _LANES == 0
+        and 0 < d <= _MAX_HEAD_DIM
+        and 0 < first.shape[1] <= _MAX_BLOCK_SIZE
+        and cos_sin_cache.device.type == "cpu"
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.stride(1) == 1
+        and 0 < rot <= min(d, _MAX_ROTARY_DIM)
+        and rot % 2 == 0
+    ):
+        return None
+    for w, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        projections = (w.qkv, w.o, w.gate_up, w.down)
+        if not (
+            all(_packed(p) for p in projections)
+            and (w.qkv.out_features, w.qkv.in_features) == (qkv_n, hidden)
+            and (w.o.out_features, w.o.in_features) == (hidden, shape.num_heads * d)
+            and (w.gate_up.out_features, w.gate_up.in_features) == (2 * shape.intermediate, hidden)
+            and (w.down.out_features, w.down.in_features) == (hidden, shape.intermediate)
+            and _norm_ok(w.input_norm, hidden)
+            and _norm_ok(w.post_norm, hidden)
+            and (w.qkv_bias is None or w.qkv_bias.shape == (qkv_n,))
+            and _cache_ok(k_cache, v_cache, first, shape)
+        ):
+            return None
+    return DecodeStack(layers, kv_caches, cos_sin_cache, shape)

@@ -1,0 +1,33 @@
+/* Prototypes of the exported kernels that cpu_decode_step.c chains. The files defining them
+ * include this header too, so the compiler checks every caller against the one definition
+ * (cpu_library.SIGNATURES is the Python side's copy of the same ABI). */
+#ifndef KVFLEET_CPU_ENTRY_POINTS_H
+#define KVFLEET_CPU_ENTRY_POINTS_H
+
+#include <stdint.h>
+
+/* cpu_gemm.c */
+int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, float *residual,
+                            int has_residual, const uint16_t *norm_weight, float eps,
+                            const uint16_t *packed, const float *bias, uint16_t *out,
+                            int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                            int num_threads);
+
+/* cpu_elementwise.c */
+int kvfleet_rotary_and_cache_bf16(const int64_t *positions, int64_t tokens, uint16_t *q,
+                                  int64_t q_stride, int q_heads, uint16_t *k, int64_t k_stride,
+                                  const uint16_t *v, int64_t v_stride, int k_heads,
+                                  int head_dim, int rot_dim, const float *cos_sin,
+                                  int64_t cos_sin_stride, int64_t max_position,
+                                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
+                                  int64_t num_blocks, int block_size, int num_threads);
+
+/* cpu_attention.c */
+int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_io,
+                             int64_t out_stride, int io_dtype, const void *k_cache,
+                             const void *v_cache, int dtype, const int32_t *block_tables,
+                             int64_t table_stride, const int32_t *seq_lens, int num_seqs,
+                             int num_heads, int num_kv_heads, int head_dim, int block_size,
+                             int64_t num_blocks, float scale, int num_threads, int allow_amx);
+
+#endif

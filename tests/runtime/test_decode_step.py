@@ -1,0 +1,204 @@
+"""The fused decode step (kernels/cpu_decode_step.c: the whole decoder stack in one C call) gives
+the per-op layer loop's results to the bit, writes the same cache bytes, and is taken exactly
+for the steps it can run: decode-only steps of a bf16 model prepacked for the AMX GEMM."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet.kernels import cpu_decode_step, cpu_gemm, dispatch
+from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.runtime.loader import load_model
+from kvfleet.runtime.model_llama import LlamaModel
+from tiny_models import make_tiny_model
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
+
+
+def _need_amx() -> None:
+    if not cpu_gemm.available():
+        pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_d64(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> Path:
+    """head_dim 64, the shape whose attention runs on AMX tiles (the other models' 16 take the
+    vector path)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-d64"),
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+class Decoder:
+    """Sequences in a head-major paged cache (blocks from a shuffled pool): one prefill step
+    through the per-op path, then decode steps."""
+
+    def __init__(self, net: LlamaModel, lengths: list[int], block_size: int = 16, seed: int = 0):
+        cfg = net.config
+        gen = torch.Generator().manual_seed(seed)
+        self.net, self.block_size = net, block_size
+        per_seq = (max(lengths) + 8) // block_size + 1
+        num_blocks = len(lengths) * per_seq + 3
+        self.kv = [
+            dispatch.allocate_kv_cache(
+                num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, BF16, torch.device("cpu")
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        pool = torch.randperm(num_blocks, generator=gen)
+        self.tables = pool[: len(lengths) * per_seq].reshape(len(lengths), per_seq).to(torch.int32)
+        self.lens = [0] * len(lengths)
+        self.gen = gen
+        self.step([torch.randint(0, 1000, (n,), generator=gen).tolist() for n in lengths])
+
+    def step(self, chunks: list[list[int]]) -> torch.Tensor:
+        """One forward over every sequence's chunk; the final hidden states."""
+        ids, positions, slots, q_lens = [], [], [], []
+        for s, tokens in enumerate(chunks):
+            for pos in range(self.lens[s], self.lens[s] + len(tokens)):
+                block = int(self.tables[s, pos // self.block_size])
+                slots.append(block * self.block_size + pos % self.block_size)
+                positions.append(pos)
+            ids += tokens
+            q_lens.append(len(tokens))
+            self.lens[s] += len(tokens)
+        num_decodes = 0  # decodes come first, as the scheduler orders a batch
+        while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).int(),
+            seq_lens=torch.tensor(self.lens, dtype=torch.int32),
+            block_tables=self.tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decodes=num_decodes,
+            max_query_len=max(q_lens),
+            max_seq_len=max(self.lens),
+            query_lens_host=q_lens,
+            seq_lens_host=list(self.lens),
+        )
+        with torch.inference_mode():
+            return self.net(torch.tensor(ids), torch.tensor(positions), self.kv, meta)
+
+    def fork(self) -> Decoder:
+        """A copy with the same cache bytes, tables and token stream, on the same model."""
+        twin = copy.copy(self)
+        twin.kv = [(k.clone(), v.clone()) for k, v in self.kv]
+        twin.lens, twin.tables = list(self.lens), self.tables.clone()
+        twin.gen = torch.Generator().set_state(self.gen.get_state())
+        return twin
+
+    def decode(self) -> torch.Tensor:
+        tokens = torch.randint(0, 1000, (len(self.lens),), generator=self.gen)
+        return self.step([[int(t)] for t in tokens])
+
+
+def _prepacked(folder: Path) -> LlamaModel:
+    net, _, _ = load_model(str(folder), BF16, "cpu")
+    net.prepack()
+    return net
+
+
+def _count_fused_steps(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    run = cpu_decode_step.DecodeStack.run
+
+    def counted(self, hidden, positions, meta):
+        calls.append(hidden.shape[0])
+        return run(self, hidden, positions, meta)
+
+    monkeypatch.setattr(cpu_decode_step.DecodeStack, "run", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-d64"])  # untied; biases; AMX attention
+@pytest.mark.parametrize("num_seqs", [1, 7, cpu_gemm.MAX_ROWS])
+def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
+    arch, num_seqs, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_d64, monkeypatch
+):
+    _need_amx()
+    folder = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama-d64": tiny_llama_d64}[arch]
+    net = _prepacked(folder)
+    lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
+    fused = Decoder(net, lengths.tolist())
+    per_op = fused.fork()
+    calls = _count_fused_steps(monkeypatch)
+    for _ in range(3):  # the second and third read what the first wrote
+        cpu_decode_step.ENABLED = True
+        got = fused.decode()
+        cpu_decode_step.ENABLED = False
+        want = per_op.decode()
+        assert torch.equal(got, want)
+    assert calls == [num_seqs] * 3  # the fused call ran for every decode step of `fused` only
+    for (k1, v1), (k2, v2) in zip(fused.kv, per_op.kv, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_steps_it_cannot_run_keep_the_per_op_loop(tiny_llama_dir, monkeypatch):
+    """Prefill and mixed steps, and decode steps past the AMX GEMM's row limit, go op by op."""
+    _need_amx()
+    net = _prepacked(tiny_llama_dir)
+    calls = _count_fused_steps(monkeypatch)
+    run = Decoder(net, [5, 9, 3])  # the prefill step
+    run.step([[1], [2], [3, 4]])  # a mixed step
+    assert calls == []
+    run.decode()
+    assert calls == [3]
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 2)
+    run.decode()
+    assert calls == [3]
+
+
+def test_no_fused_step_without_prepacked_bf16_weights_or_head_major_caches(tiny_llama_dir):
+    float32, cfg, _ = load_model(str(tiny_llama_dir), torch.float32, "cpu")
+    float32.prepack()  # float32 weights stay plain
+    unpacked, _, _ = load_model(str(tiny_llama_dir), BF16, "cpu")
+    shape = (8, 16, cfg.num_kv_heads, cfg.head_dim)
+    head_major = [
+        dispatch.allocate_kv_cache(*shape, BF16, torch.device("cpu")) for _ in range(cfg.num_layers)
+    ]
+    assert float32._decode_stack_for(head_major) is None
+    assert unpacked._decode_stack_for(head_major) is None
+    if cpu_gemm.available():
+        packed = _prepacked(tiny_llama_dir)
+        contiguous = [(torch.zeros(shape, dtype=BF16), torch.zeros(shape, dtype=BF16))] * len(
+            head_major
+        )
+        assert packed._decode_stack_for(contiguous) is None
+        assert packed._decode_stack_for(head_major) is not None
+
+
+def test_bad_position_or_slot_raises_and_writes_no_cache(tiny_llama_dir, monkeypatch):
+    _need_amx()
+    net = _prepacked(tiny_llama_dir)
+    limit = net.config.max_position_embeddings
+    for error in ("position", "slot"):
+        run = Decoder(net, [4, 6])
+        before = [(k.clone(), v.clone()) for k, v in run.kv]
+        if error == "position":  # the first sequence's next position is past the RoPE table
+            run.lens = [limit, 3]
+            run.tables = torch.zeros(2, limit // run.block_size + 2, dtype=torch.int32)
+            match = f"outside \\[0, {limit}\\)"
+        else:  # the second sequence's next slot lies in a block past the pool
+            run.tables[1, 0] = 10_000
+            match = "past the cache"
+        calls = _count_fused_steps(monkeypatch)
+        with pytest.raises(IndexError, match=match):
+            run.decode()
+        assert calls == [2]
+        for (k1, v1), (k2, v2) in zip(run.kv, before, strict=True):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        monkeypatch.undo()
