@@ -10,9 +10,10 @@
  * The Python and ctypes work alone measures ~4 ms a step (kernels stubbed out: 3.2 ms, plus
  * 3.6 us per ctypes call); the rest of the difference is not attributed.
  *
- * It takes decode-only steps whose projections run on the AMX GEMM (rows up to
- * cpu_gemm.MAX_ROWS), bf16 weights and head-major bf16 caches; cpu_decode_step.py checks that
- * once per stack and step, and everything else keeps the per-op path. */
+ * It takes decode-only steps (up to cpu_decode_step.MAX_ROWS sequences) of bf16 weights packed
+ * for the AMX GEMM, which runs every projection here, and head-major bf16 caches;
+ * cpu_decode_step.py checks that once per stack and per step, and everything else keeps the
+ * per-op path. */
 #include <stdint.h>
 #include <stdlib.h>
 

@@ -9,7 +9,7 @@ from 24.1 to 15.1 ms at 1 sequence and from 66.6 to 51.9 ms at 32 (cpu_decode_st
 
 `build` says once per stack and set of caches whether it applies (bf16 weights prepacked for the
 AMX GEMM, head-major bf16 caches); `DecodeStack.accepts` says per step (decodes only, at most
-`cpu_gemm.MAX_ROWS` of them, the row count where projections leave the AMX GEMM).
+`MAX_ROWS` of them).
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ from kvfleet.kernels.metadata import AttentionMetadata
 # Whether decode steps may take the fused call (tests turn it off to run the per-op path on the
 # same model and compare).
 ENABLED = True
+# The most sequences a fused step takes. Its projections always run on the AMX GEMM, which on
+# its own is no faster than oneDNN from ~128 rows (`kvfleet bench cpu-kernels`), but whole steps
+# measured faster fused than per-op with oneDNN's GEMMs at every count tried up to 256
+# (interleaved steps, bundled model: 159 vs 170 ms at 128 sequences of 400 tokens, 197 vs
+# 221 ms at 256 of 40).
+MAX_ROWS = 256
 
 _BF16 = torch.bfloat16
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE, _MAX_ROTARY_DIM = 256, 16, 256, 1024
@@ -152,10 +158,10 @@ class DecodeStack:
         self.max_position = cos_sin_cache.shape[0]
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether this step runs here: only decodes, at most `cpu_gemm.MAX_ROWS` of them."""
+        """Whether this step runs here: only decodes, at most `MAX_ROWS` of them."""
         return (
             ENABLED
-            and 0 < rows <= cpu_gemm.MAX_ROWS
+            and 0 < rows <= MAX_ROWS
             and meta.num_decodes == rows == meta.num_seqs
             and meta.block_tables.dtype == torch.int32
             and meta.block_tables.stride(-1) == 1
