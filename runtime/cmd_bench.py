@@ -1,4 +1,4 @@
-"""`kvfleet bench {throughput,serve,kernels,cpu-kernels}`: speed claims are measured, with their baseline in
+"""`kvfleet bench {throughput,serve,kernels,cpu-kernels,decode-step}`: speed claims are measured, with their baseline in
 the same run. Each sub-command lives in its own module."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ BENCH_MODULES = (
     "kvfleet.runtime.bench_serve",
     "kvfleet.kernels.bench",
     "kvfleet.kernels.bench_cpu",
+    "kvfleet.runtime.bench_decode_step",
 )
 
 
@@ -18,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, kernels, cpu-kernels",
+        help="benchmarks: throughput, serve, kernels, cpu-kernels, decode-step",
         description="Measure kvfleet against a baseline in the same run.",
     )
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

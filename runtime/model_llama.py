@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
             else _param(config.vocab_size, h, dtype=dtype, device=device)
         )
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
-        # The fused decode step for the caches it was built for (`_decode_stack_for`).
+        # The fused decode step for the caches it was built for (`decode_stack_for`).
         self._stack_caches: list | None = None
         self._stack: cpu_decode_step.DecodeStack | None = None
 
@@ -131,7 +131,7 @@ class LlamaModel(nn.Module):
         _prepack(self, "lm_head")
         self._stack_caches = self._stack = None  # weights moved: build it afresh
 
-    def _decode_stack_for(
+    def decode_stack_for(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> cpu_decode_step.DecodeStack | None:
         """The fused decode step over these caches where the kernels offer one (built on the
@@ -172,7 +172,7 @@ class LlamaModel(nn.Module):
         """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
         decodes first, as `meta` describes); K/V of every token is written to `kv_caches`."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        stack = self._decode_stack_for(kv_caches)
+        stack = self.decode_stack_for(kv_caches)
         if stack is not None and stack.accepts(meta, hidden.shape[0]):
             # The same six kernels per layer as below, in one call (cpu_decode_step).
             hidden, residual = stack.run(hidden, positions, meta)

@@ -174,15 +174,15 @@ def test_no_fused_step_without_prepacked_bf16_weights_or_head_major_caches(tiny_
     head_major = [
         dispatch.allocate_kv_cache(*shape, BF16, torch.device("cpu")) for _ in range(cfg.num_layers)
     ]
-    assert float32._decode_stack_for(head_major) is None
-    assert unpacked._decode_stack_for(head_major) is None
+    assert float32.decode_stack_for(head_major) is None
+    assert unpacked.decode_stack_for(head_major) is None
     if cpu_gemm.available():
         packed = _prepacked(tiny_llama_dir)
         contiguous = [(torch.zeros(shape, dtype=BF16), torch.zeros(shape, dtype=BF16))] * len(
             head_major
         )
-        assert packed._decode_stack_for(contiguous) is None
-        assert packed._decode_stack_for(head_major) is not None
+        assert packed.decode_stack_for(contiguous) is None
+        assert packed.decode_stack_for(head_major) is not None
 
 
 def test_bad_position_or_slot_raises_and_writes_no_cache(tiny_llama_dir, monkeypatch):

@@ -1,0 +1,191 @@
+"""`kvfleet bench decode-step`: one decode step of the model, run op by op (six kernel calls per
+layer from Python) and as one fused C call (`kvfleet.kernels.cpu_decode_step`), at several
+batch sizes, in one run.
+
+Each batch size first checks that the two give the same hidden states to the bit (the op-by-op
+run then uses the AMX GEMM at every row count, as the fused call does), then times them
+alternately, the op-by-op run with its usual GEMM routing (oneDNN past `cpu_gemm.MAX_ROWS`
+rows): what a step costs with the fused call and without it. Times are the minimum and median
+over `--iters` steps each, logits included. CPU, bfloat16 only: elsewhere there is no fused call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+DEFAULT_SEQUENCES = "1,8,32,128"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "decode-step",
+        help="a decode step op by op vs one fused C call (CPU, bf16)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="bundled", help="as for `kvfleet generate` (default bundled)")
+    p.add_argument(
+        "--sequences",
+        default=DEFAULT_SEQUENCES,
+        help=f"batch sizes to time, comma-separated (default {DEFAULT_SEQUENCES})",
+    )
+    p.add_argument("--context", type=int, default=400, help="tokens each sequence has cached")
+    p.add_argument("--iters", type=int, default=20, help="timed steps per path and batch size")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class StepRow:
+    sequences: int
+    context_tokens: int
+    per_op_min_ms: float
+    per_op_median_ms: float
+    fused_min_ms: float
+    fused_median_ms: float
+    speedup_median: float  # per-op median over fused median
+
+
+def _parse_sequences(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--sequences: comma-separated counts of at least 1, got {text!r}")
+    return counts
+
+
+class _Batch:
+    """`sequences` decoding sequences of `context` cached tokens each, in consecutive blocks
+    of head-major caches filled with random K/V."""
+
+    def __init__(self, torch, net, config, sequences: int, context: int) -> None:
+        from kvfleet.kernels import dispatch
+        from kvfleet.kernels.metadata import AttentionMetadata
+
+        block = 16
+        per_seq = context // block + 1
+        gen = torch.Generator().manual_seed(sequences)
+        self.kv = []
+        for _ in range(config.num_layers):
+            k, v = dispatch.allocate_kv_cache(
+                sequences * per_seq, block, config.num_kv_heads, config.head_dim,
+                torch.bfloat16, torch.device("cpu"),
+            )  # fmt: skip
+            k.copy_(torch.randn(k.shape, generator=gen))
+            v.copy_(torch.randn(v.shape, generator=gen))
+            self.kv.append((k, v))
+        tables = torch.arange(sequences * per_seq, dtype=torch.int32).reshape(sequences, per_seq)
+        slots = tables[:, context // block].long() * block + context % block
+        lens = [context + 1] * sequences
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.arange(sequences + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=tables,
+            slot_mapping=slots.contiguous(),
+            num_decodes=sequences,
+            max_query_len=1,
+            max_seq_len=context + 1,
+            query_lens_host=[1] * sequences,
+            seq_lens_host=lens,
+        )
+        self.ids = torch.randint(0, config.vocab_size, (sequences,), generator=gen)
+        self.positions = torch.full((sequences,), context, dtype=torch.long)
+        self.net = net
+
+    def step(self):
+        """The step's final hidden states and logits (K/V rewritten to the same slots)."""
+        hidden = self.net(self.ids, self.positions, self.kv, self.meta)
+        return hidden, self.net.compute_logits(hidden)
+
+
+def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
+    """Check the two paths give the same bits, then time them alternately."""
+    from kvfleet.kernels import cpu_decode_step, cpu_gemm
+
+    default_rows = cpu_gemm.MAX_ROWS
+    cpu_decode_step.ENABLED = True
+    fused, _ = batch.step()
+    cpu_decode_step.ENABLED, cpu_gemm.MAX_ROWS = False, max(default_rows, n)
+    per_op, _ = batch.step()
+    cpu_gemm.MAX_ROWS = default_rows
+    if not torch.equal(fused, per_op):
+        raise RuntimeError(f"fused decode step at {n} sequences: not the per-op bits")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * iters):
+        cpu_decode_step.ENABLED = i % 2 == 0
+        start = time.perf_counter()
+        batch.step()
+        times[i % 2 == 0].append((time.perf_counter() - start) * 1e3)
+    per_op_median, fused_median = statistics.median(times[False]), statistics.median(times[True])
+    return StepRow(
+        sequences=n,
+        context_tokens=context,
+        per_op_min_ms=min(times[False]),
+        per_op_median_ms=per_op_median,
+        fused_min_ms=min(times[True]),
+        fused_median_ms=fused_median,
+        speedup_median=per_op_median / fused_median,
+    )
+
+
+def measure(model: str, sequences: list[int], context: int, iters: int) -> dict:
+    import torch
+    from kvfleet.kernels import cpu_decode_step, cpu_gemm
+    from kvfleet.runtime.loader import load_model
+
+    net, config, _ = load_model(model, torch.bfloat16, "cpu")
+    net.prepack()
+    rows: list[StepRow] = []
+    previous_enabled, previous_rows = cpu_decode_step.ENABLED, cpu_gemm.MAX_ROWS
+    try:
+        with torch.inference_mode():
+            for n in sequences:
+                batch = None
+                if n <= cpu_decode_step.MAX_ROWS:
+                    batch = _Batch(torch, net, config, n, context)
+                if batch is None or net.decode_stack_for(batch.kv) is None:
+                    raise RuntimeError(
+                        f"no fused decode step here for {n} sequences (needs a bf16 model, "
+                        f"AMX, and at most {cpu_decode_step.MAX_ROWS} sequences)"
+                    )
+                rows.append(_row(torch, batch, n, context, iters))
+                del batch  # its caches: the next batch size allocates its own
+    finally:
+        cpu_decode_step.ENABLED, cpu_gemm.MAX_ROWS = previous_enabled, previous_rows
+    return {
+        "model": model,
+        "threads": torch.get_num_threads(),
+        "same_bits": True,  # every row, before timing (else the command fails)
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sequences = _parse_sequences(args.sequences)
+        if args.context < 1 or args.iters < 1:
+            raise ValueError("--context and --iters: must be at least 1")
+        report = measure(args.model, sequences, args.context, args.iters)
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvfleet bench decode-step: {exc}", file=sys.stderr)
+        return 1
+    print(f"model {report['model']}, {report['threads']} threads; decode step, ms (min / median)")
+    print(f"{'seqs':>5} {'context':>8} {'per-op':>16} {'fused':>16} {'speedup':>8}")
+    for r in report["rows"]:
+        print(
+            f"{r['sequences']:>5} {r['context_tokens']:>8} "
+            f"{r['per_op_min_ms']:>7.2f} / {r['per_op_median_ms']:>6.2f} "
+            f"{r['fused_min_ms']:>7.2f} / {r['fused_median_ms']:>6.2f} "
+            f"{r['speedup_median']:>7.2f}x"
+        )
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
