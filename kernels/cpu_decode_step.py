@@ -181,11 +181,7 @@ class DecodeStack:
         if (
             hidden.shape != (rows, self.hidden)
             or hidden.dtype != _BF16
-            or hidden.stride()
-            != (
-                self.hidden,
-                1,
-            )
+            or not hidden.is_contiguous()
         ):
             raise ValueError(
                 f"decode step: hidden must be contiguous bf16 [{rows}, {self.hidden}], got "

@@ -206,3 +206,13 @@ def test_bad_position_or_slot_raises_and_writes_no_cache(tiny_llama_dir, monkeyp
         for (k1, v1), (k2, v2) in zip(run.kv, before, strict=True):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
         monkeypatch.undo()
+
+
+def test_hidden_states_of_the_wrong_shape_or_dtype_are_refused(tiny_llama_dir):
+    _need_amx()
+    net = _prepacked(tiny_llama_dir)
+    run = Decoder(net, [4, 6])
+    stack = net.decode_stack_for(run.kv)
+    hidden = torch.zeros(2, net.config.hidden_size)  # float32, not the model's bf16
+    with pytest.raises(ValueError, match=f"contiguous bf16 \\[2, {net.config.hidden_size}\\]"):
+        stack.run(hidden, torch.tensor([4, 6]), None)
