@@ -151,6 +151,21 @@ def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("block_size", [8, 32])  # 8: attention off the AMX path (16s only)
+def test_fused_decode_steps_match_at_other_block_sizes(block_size, tiny_llama_d64, monkeypatch):
+    _need_amx()
+    net = _prepacked(tiny_llama_d64)
+    fused = Decoder(net, [3, 40, 17, 64], block_size=block_size)
+    per_op = fused.fork()
+    calls = _count_fused_steps(monkeypatch)
+    for _ in range(2):
+        cpu_decode_step.ENABLED = True
+        got = fused.decode()
+        cpu_decode_step.ENABLED = False
+        assert torch.equal(got, per_op.decode())
+    assert calls == [4, 4]
+
+
 def test_steps_it_cannot_run_keep_the_per_op_loop(tiny_llama_dir, monkeypatch):
     """Prefill and mixed steps, and decode steps past the fused call's row limit, go op by op."""
     _need_amx()
