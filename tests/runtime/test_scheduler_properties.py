@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kvfleet.runtime.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.request import Request, RequestStatus
@@ -72,13 +72,28 @@ def scenario(draw: st.DrawFn) -> dict:
     }
 
 
+# Found by hypothesis: 3001 tokens of work behind max_num_seqs=1 outran a fixed 3000-step loop.
+SEQUENTIAL_LONG_RUN = {
+    "block_size": 16,
+    "num_blocks": 30,
+    "prefix_caching": False,
+    "config": SchedulerConfig(1, 480, False),
+    "arrivals": [(0, [1], n) for n in (255, 472, 58, 1, 1, 299, 274, 395, 357, 400, 374, 115)],
+    "aborts": [],
+}
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
+@example(SEQUENTIAL_LONG_RUN)
 def test_no_leak_no_double_allocation_within_budgets_nothing_lost(s: dict) -> None:
     kv = KVCacheManager(s["num_blocks"], s["block_size"], s["prefix_caching"])
     sched = Scheduler(s["config"], kv)
     added: dict[str, Request] = {}
-    for step in range(3000):
+    # Room for every request to run alone, one token a step, and be recomputed after
+    # preemption: 12 requests of up to 480 tokens behind max_num_seqs=1 need over 3000 steps.
+    work = sum(len(prompt) + max_tokens for _, prompt, max_tokens in s["arrivals"])
+    for step in range(max(3000, 16 + 4 * work)):
         for i, (at, prompt, max_tokens) in enumerate(s["arrivals"]):
             if at == step:
                 r = _request(f"r{i}", prompt, max_tokens)
