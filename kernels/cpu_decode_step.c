@@ -3,12 +3,13 @@
  * Why: per layer the model makes six kernel calls (RMSNorm + qkv, rotary + cache write,
  * attention, o, RMSNorm + gate/up, SiLU-and-mul + down), each behind Python checks, a tensor or
  * two and a ctypes call of up to 21 arguments. Here the same six kernels run in the same order
- * on the same inputs, so the results are the same bits as the per-op path
- * (tests/runtime/test_decode_step.py compares them), and Python makes one call a step. On the
- * 2-core host (bundled model, 400-token contexts, interleaved steps) a decode step went
- * 24.1 -> 15.1 ms at 1 sequence, 26.7 -> 19.9 at 8, 66.6 -> 51.9 at 32 and 101 -> 84 at 64.
- * The Python and ctypes work alone measures ~4 ms a step (kernels stubbed out: 3.2 ms, plus
- * 3.6 us per ctypes call); the rest of the difference is not attributed.
+ * on the same inputs, so the results are the same bits as the per-op path on the same GEMM
+ * kernel (tests/runtime/test_decode_step.py compares them), and Python makes one call a step.
+ * On the 2-core host a bundled-model decode step (400-token contexts) went 26.6 -> 16.1 ms at
+ * 1 sequence, 35.0 -> 23.0 at 8 and 69.1 -> 53.5 at 32 (medians, `kvfleet bench decode-step`,
+ * docs/bench-decode-step.json). The Python and ctypes work alone measures ~4 ms a step (kernels
+ * stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
+ * attributed (the OpenMP wait policy did not change it).
  *
  * It takes decode-only steps (up to cpu_decode_step.MAX_ROWS sequences) of bf16 weights packed
  * for the AMX GEMM, which runs every projection here, and head-major bf16 caches;

@@ -5,7 +5,8 @@ The C side chains the six kernels the per-op path calls per layer (cpu_gemm's RM
 cpu_elementwise's rotary + cache write, cpu_attention's decode, cpu_gemm's o, RMSNorm + gate/up
 and SiLU-and-mul + down) in the same order on the same inputs: the same bits, with one Python
 call a step instead of six per layer. On the 2-core host that took a bundled-model decode step
-from 24.1 to 15.1 ms at 1 sequence and from 66.6 to 51.9 ms at 32 (cpu_decode_step.c says more).
+from 26.6 to 16.1 ms at 1 sequence and from 69.1 to 53.5 ms at 32 (medians, `kvfleet bench
+decode-step`, docs/bench-decode-step.json).
 
 `build` says once per stack and set of caches whether it applies (bf16 weights prepacked for the
 AMX GEMM, head-major bf16 caches); `DecodeStack.accepts` says per step (decodes only, at most
@@ -19,7 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvfleet.kernels import cpu_attention, cpu_gemm, cpu_library, cpu_linear, reference
+from kvfleet.kernels import (
+    cpu_attention,
+    cpu_cache,
+    cpu_elementwise,
+    cpu_gemm,
+    cpu_library,
+    cpu_linear,
+)
 from kvfleet.kernels.metadata import AttentionMetadata
 
 # Whether decode steps may take the fused call (tests turn it off to run the per-op path on the
@@ -27,13 +35,13 @@ from kvfleet.kernels.metadata import AttentionMetadata
 ENABLED = True
 # The most sequences a fused step takes. Its projections always run on the AMX GEMM, which on
 # its own is no faster than oneDNN from ~128 rows (`kvfleet bench cpu-kernels`), but whole steps
-# measured faster fused than per-op with oneDNN's GEMMs at every count tried up to 256
-# (interleaved steps, bundled model: 159 vs 170 ms at 128 sequences of 400 tokens, 197 vs
-# 221 ms at 256 of 40).
+# measured faster fused than op by op with oneDNN's GEMMs at every count tried up to 256
+# (`kvfleet bench decode-step`, medians: 198 vs 172 ms at 128 sequences of 400 tokens,
+# docs/bench-decode-step.json; 79 vs 69 and 114 vs 87 ms at 192 and 256 of 40,
+# docs/bench-decode-step-large.json).
 MAX_ROWS = 256
 
 _BF16 = torch.bfloat16
-_MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE, _MAX_ROTARY_DIM = 256, 16, 256, 1024
 # cpu_decode_step.c's stage codes, for error messages.
 _STAGES = {
     1: "RMSNorm + qkv projection",
@@ -221,24 +229,32 @@ def _packed(weight: object) -> bool:
     return isinstance(weight, cpu_linear.PackedLinear) and weight.tiles is not None
 
 
-def _norm_ok(weight: torch.Tensor, hidden: int) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == _BF16
-        and weight.shape == (hidden,)
-        and weight.is_contiguous()
-    )
+class _Probe:
+    """A one-token step of the tensors the fused call hands its kernels (an embedding row, the
+    residual, q/k/v as views of one qkv row, a position and a slot), so `build` asks each
+    kernel's own `supports` instead of repeating its conditions."""
 
+    def __init__(self, hidden: int, shape: StackShape) -> None:
+        d = shape.head_dim
+        q_size, kv_size = shape.num_heads * d, shape.num_kv_heads * d
+        self.x = torch.empty(1, hidden, dtype=_BF16)
+        self.residual = torch.empty(1, hidden, dtype=torch.float32)
+        qkv = torch.empty(1, q_size + 2 * kv_size, dtype=_BF16)
+        self.q = qkv[:, :q_size].view(1, shape.num_heads, d)
+        self.k = qkv[:, q_size : q_size + kv_size].view(1, shape.num_kv_heads, d)
+        self.v = qkv[:, q_size + kv_size :].view(1, shape.num_kv_heads, d)
+        self.position = torch.zeros(1, dtype=torch.int64)
+        self.slot = torch.zeros(1, dtype=torch.int64)
 
-def _cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, first: torch.Tensor, shape) -> bool:
-    return (
-        k_cache.device.type == v_cache.device.type == "cpu"
-        and k_cache.dtype == v_cache.dtype == _BF16
-        and k_cache.shape == v_cache.shape == first.shape
-        and k_cache.shape[2:] == (shape.num_kv_heads, shape.head_dim)
-        and reference._is_head_major(k_cache)
-        and reference._is_head_major(v_cache)
-    )
+    def kernels_take(self, w: LayerWeights, k_cache, v_cache, cos_sin_cache) -> bool:
+        """Whether the per-op path would run each of this layer's ops on its C kernel."""
+        return (
+            cpu_elementwise.supports_rms_norm(self.x, w.input_norm, self.residual)
+            and cpu_elementwise.supports_rms_norm(self.x, w.post_norm, self.residual)
+            and cpu_elementwise.supports_rotary(self.position, self.q, self.k, cos_sin_cache, True)
+            and cpu_cache.supports(self.k, self.v, k_cache, v_cache, self.slot)
+            and cpu_attention.supports(self.q, k_cache, v_cache)
+        )
 
 
 def build(
@@ -252,36 +268,22 @@ def build(
     if not (layers and len(layers) == len(kv_caches) and cpu_gemm.available()):
         return None
     hidden = layers[0].input_norm.shape[0]
-    d, rot = shape.head_dim, cos_sin_cache.shape[-1]
-    qkv_n = (shape.num_heads + 2 * shape.num_kv_heads) * d
+    q_size = shape.num_heads * shape.head_dim
+    qkv_n = q_size + 2 * shape.num_kv_heads * shape.head_dim
+    probe = _Probe(hidden, shape)
     first = kv_caches[0][0]
-    if not (
-        hidden % _LANES == 0
-        and shape.num_kv_heads > 0
-        and shape.num_heads % shape.num_kv_heads == 0
-        and d % _LANES == 0
-        and 0 < d <= _MAX_HEAD_DIM
-        and 0 < first.shape[1] <= _MAX_BLOCK_SIZE
-        and cos_sin_cache.device.type == "cpu"
-        and cos_sin_cache.dtype == torch.float32
-        and cos_sin_cache.dim() == 2
-        and cos_sin_cache.stride(1) == 1
-        and 0 < rot <= min(d, _MAX_ROTARY_DIM)
-        and rot % 2 == 0
-    ):
-        return None
     for w, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-        projections = (w.qkv, w.o, w.gate_up, w.down)
         if not (
-            all(_packed(p) for p in projections)
+            all(_packed(p) for p in (w.qkv, w.o, w.gate_up, w.down))
             and (w.qkv.out_features, w.qkv.in_features) == (qkv_n, hidden)
-            and (w.o.out_features, w.o.in_features) == (hidden, shape.num_heads * d)
+            and (w.o.out_features, w.o.in_features) == (hidden, q_size)
             and (w.gate_up.out_features, w.gate_up.in_features) == (2 * shape.intermediate, hidden)
             and (w.down.out_features, w.down.in_features) == (hidden, shape.intermediate)
-            and _norm_ok(w.input_norm, hidden)
-            and _norm_ok(w.post_norm, hidden)
             and (w.qkv_bias is None or w.qkv_bias.shape == (qkv_n,))
-            and _cache_ok(k_cache, v_cache, first, shape)
+            # One block count and size for the whole stack (the C side takes them once);
+            # the caches' bf16 dtype comes with the probe's bf16 k and v.
+            and k_cache.shape == first.shape
+            and probe.kernels_take(w, k_cache, v_cache, cos_sin_cache)
         ):
             return None
     return DecodeStack(layers, kv_caches, cos_sin_cache, shape)
