@@ -9,12 +9,13 @@ intermediate 1536, vocab 49152, 30 layers, bf16).
   reference (gather + batched matmuls), 128 sequences of 100-700 tokens, rotating through
   enough layer caches that every call reads from memory, not from cache;
 - projections: a step's GEMMs (30 layers' distinct qkv, o, gate_up and down weights, then the
-  LM head) at decode-sized row counts, the AMX kernel (`cpu_gemm`) against oneDNN on its
-  prepacked weight (`cpu_linear`), both timed on every row count to show where each wins.
+  LM head) at 1 to 2048 rows, the AMX kernel (`cpu_gemm`) against oneDNN on its prepacked
+  weight (`cpu_linear`), both timed on every row count to show where each wins (`kvfleet bench
+  gemm-rows` asks the same of a real run's steps).
 
 Every path's output is checked against the torch reference before it is timed (exit code 1 on a
 mismatch). Times are the minimum over `--iters` calls (this host's speed drifts; the minimum is
-the least disturbed). A path the machine lacks (no AMX, no AVX512-BF16) is reported as null.
+the least disturbed); two paths compared in one row take turns call by call. A path the machine lacks (no AMX, no AVX512-BF16) is reported as null.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ PREFILL_SHAPES = ((512, 512), (2048, 2048), (272, 1296), (450, 1474))
 DECODE_SEQS, DECODE_MIN_CTX, DECODE_MAX_CTX = 128, 100, 700
 DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past any cache
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
-GEMM_ROWS = (1, 16, 32, 48, 64, 96, 128, 256)
+GEMM_ROWS = (1, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 GEMM_LAYERS = 30  # distinct weights per timed step: 212 MB, as the model streams them
 VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, float32 accumulation in all
 
@@ -111,13 +112,21 @@ def run(args: argparse.Namespace) -> int:
 
 def min_ms(call: Callable[[], object], iters: int) -> float:
     """The fastest of `iters` calls after one untimed call, in milliseconds."""
-    call()
-    best = float("inf")
-    for _ in range(iters):
-        start = time.perf_counter()
+    return alternating_min_ms([call], iters)[0]
+
+
+def alternating_min_ms(calls: list[Callable[[], object]], iters: int) -> list[float]:
+    """Each call's fastest of `iters`, in milliseconds, the calls taking turns (after one
+    untimed round): paths compared in one row then see the same phases of a drifting host."""
+    for call in calls:
         call()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    best = [float("inf")] * len(calls)
+    for _ in range(iters):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e3 for b in best]
 
 
 def _verify(torch, name: str, got, want) -> None:
@@ -272,7 +281,6 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
             cpu_gemm.linear(inputs[p.in_features], p.tiles)
 
     weight_bytes = sum(w.numel() * 2 for w in plain)
-    onednn_ms = min_ms(onednn_step, iters)
     amx_ms = None
     if all(p.tiles is not None for p in packed):
         for w, p in zip(plain[:4] + plain[-1:], packed[:4] + packed[-1:], strict=True):
@@ -280,7 +288,9 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
             got = cpu_gemm.linear(x, p.tiles)
             want = torch.nn.functional.linear(x, w)
             _verify(torch, f"projection {tuple(w.shape)} at {rows} rows (AMX)", got, want)
-        amx_ms = min_ms(amx_step, iters)
+        onednn_ms, amx_ms = alternating_min_ms([onednn_step, amx_step], iters)
+    else:
+        onednn_ms = min_ms(onednn_step, iters)
 
     def gbps(ms):
         return weight_bytes / (ms * 1e-3) / 1e9 if ms else None
@@ -326,7 +336,8 @@ def _layer_ops_ms(torch, rows: int, layers_packed, iters: int) -> tuple[float, f
     def step(f):
         return lambda: [f(*layer, residual) for layer in layers]
 
-    return min_ms(step(separate), iters), min_ms(step(fused), iters)
+    separate_ms, fused_ms = alternating_min_ms([step(separate), step(fused)], iters)
+    return separate_ms, fused_ms
 
 
 def read_gbps(torch, iters: int) -> float:

@@ -1,10 +1,14 @@
-"""bf16 projections with few rows on AMX tiles (kernels/cpu_gemm.c): a decode step's GEMMs.
+"""bf16 projections on AMX tiles (kernels/cpu_gemm.c): a decode step's GEMMs, and those of a
+step that carries a prompt of a few hundred tokens beside the decodes.
 
 At decode-sized row counts a projection streams its weight once and does little arithmetic per
 byte; oneDNN's kernels for those shapes read the weight well below the rate the host can stream
-(`kvfleet bench cpu-kernels`: this kernel is 1.05-1.7x faster up to 96 rows). The C kernel reads weights prepacked (`pack`) into the byte order of AMX B tiles, in
-the order it uses them. Same numbers as oneDNN up to float32 summation order: both multiply
-bf16 pairs exactly and accumulate in float32, and both round the result to bf16 once.
+(`kvfleet bench cpu-kernels`: this kernel is 1.05-1.7x faster up to 96 rows). At a few hundred
+rows oneDNN's kernels for the bundled model's narrow shapes (576-3072 columns) fall to 0.8-1.4
+TFLOP/s, where this one keeps L2-sized row chunks against weight pairs in L1. The C kernel
+reads weights prepacked (`pack`) into the byte order of AMX B tiles, in the order it uses them.
+Same numbers as oneDNN up to float32 summation order: both multiply bf16 pairs exactly and
+accumulate in float32, and both round the result to bf16 once.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ import functools
 import torch
 from kvfleet.kernels import cpu_library
 
-# Row counts at which this kernel beats oneDNN's on the AMX host (`kvfleet bench cpu-kernels`:
-# 1.05-1.1x at 64 and 96 rows; from 128 on the GEMM turns compute-bound and oneDNN's blocking
-# is as fast or faster, 0.73-0.97x at 128 rows).
-MAX_ROWS = 96
+# Row counts this kernel takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
+# faster; at 128-1024 rows (a serving batch's decodes plus a new prompt) it computes 1.1x faster
+# (`kvfleet bench cpu-kernels`, docs/bench-cpu-kernels-1024.json); on a real run's steps, capped
+# at 32 sequences, the forward took a median 0.81x the time with this limit than with 96
+# (faster in 82 of 88 steps, `kvfleet bench gemm-rows`, docs/bench-gemm-rows-c32.json). At
+# 2048 rows oneDNN's blocking wins (1.13x, docs/bench-gemm-rows-offline.json): full prefill
+# steps stay there.
+MAX_ROWS = 1024
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
 

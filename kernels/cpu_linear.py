@@ -12,9 +12,10 @@ in its cache. A server's steps have ever-changing row counts (decodes plus promp
 rows are padded up to a bucket (`padded_rows`: up to 15 rows or 1/16 more, 64 buckets up to 2048
 rows) and nearly every step reuses a built kernel.
 
-Decode-sized row counts (up to `cpu_gemm.MAX_ROWS`) go to kvfleet's AMX kernel instead, which
-streams the weight faster than oneDNN there (1.05-1.7x, `kvfleet bench cpu-kernels`); the weight
-is then held in both layouts (`PackedLinear`), twice its plain size in memory.
+Row counts up to `cpu_gemm.MAX_ROWS` (decode batches, and decodes with a prompt of a few hundred
+tokens beside them) go to kvfleet's AMX kernel instead, which is faster than oneDNN there
+(`kvfleet bench cpu-kernels`, `kvfleet bench gemm-rows`); the weight is then held in both
+layouts (`PackedLinear`), twice its plain size in memory.
 
 float32 and float16 gained nothing from packing here, so they keep the plain weight and
 `F.linear`. The packed ops are the ones PyTorch's own compiler uses for frozen CPU models

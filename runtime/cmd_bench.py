@@ -1,4 +1,4 @@
-"""`kvfleet bench {throughput,serve,kernels,cpu-kernels,decode-step}`: speed claims are measured, with their baseline in
+"""`kvfleet bench {throughput,serve,kernels,cpu-kernels,decode-step,gemm-rows}`: speed claims are measured, with their baseline in
 the same run. Each sub-command lives in its own module."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ BENCH_MODULES = (
     "kvfleet.kernels.bench",
     "kvfleet.kernels.bench_cpu",
     "kvfleet.runtime.bench_decode_step",
+    "kvfleet.runtime.bench_gemm_rows",
 )
 
 
@@ -19,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, kernels, cpu-kernels, decode-step",
+        help="benchmarks: throughput, serve, kernels, cpu-kernels, decode-step, gemm-rows",
         description="Measure kvfleet against a baseline in the same run.",
     )
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

@@ -1,0 +1,82 @@
+"""`kvfleet bench gemm-rows` runs each large enough step's forward once per candidate hand-over
+point, in rotating order, keeps the last run's output, and reports the pairs; bad flags are
+refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet.kernels import cpu_gemm
+from kvfleet.runtime.bench_gemm_rows import PairedForward, parse_candidates
+from kvfleet.runtime.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+
+
+def test_each_compared_step_runs_once_per_candidate_in_rotating_order():
+    seen: list[int] = []
+
+    def forward(input_ids, marker):
+        seen.append(cpu_gemm.MAX_ROWS)
+        return (marker, cpu_gemm.MAX_ROWS)
+
+    default = cpu_gemm.MAX_ROWS
+    paired = PairedForward(forward, [96, 1024, 7])
+    assert paired(torch.zeros(7), "small") == ("small", default)  # not above 7 rows: once
+    assert seen == [default]
+    seen.clear()
+    assert paired(torch.zeros(300), "a")[0] == "a"
+    assert paired(torch.zeros(300), "b") == ("b", 96)  # the last run's output is the step's
+    assert seen == [96, 1024, 7, 1024, 7, 96]
+    assert default == cpu_gemm.MAX_ROWS
+    report = paired.report()
+    assert report["steps_compared"] == 2 and paired.rows == [300, 300]
+    assert set(report["forward_s"]) == {"96", "1024", "7"}
+    assert set(report["ratios"]) == {"1024", "7"}
+    bucket = report["ratios"]["7"]["by_rows"]
+    assert [(b["rows_from"], b["steps"]) for b in bucket] == [(256, 2)]
+
+
+def test_the_setting_is_restored_when_a_forward_fails():
+    def forward(input_ids):
+        raise RuntimeError("boom")
+
+    default = cpu_gemm.MAX_ROWS
+    with pytest.raises(RuntimeError, match="boom"):
+        PairedForward(forward, [0, 5])(torch.zeros(3))
+    assert default == cpu_gemm.MAX_ROWS
+
+
+@pytest.mark.parametrize("text", ["96", "96,96", "a,b", "-1,5", ""])
+def test_bad_candidates_are_named(text: str):
+    with pytest.raises(ValueError, match="--candidates"):
+        parse_candidates(text)
+
+
+def test_refuses_one_candidate_by_name(tiny_llama_dir: Path, capsys):
+    assert main(["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--candidates", "96"]) == 1
+    assert "--candidates" in capsys.readouterr().err
+
+
+def test_a_run_on_a_tiny_model_reports_every_step(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    if not cpu_gemm.available():
+        pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
+    out, default = tmp_path / "rows.json", cpu_gemm.MAX_ROWS
+    argv = ["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--dtype", "bfloat16"]
+    argv += ["--num-prompts", "3", "--max-model-len", "1024", "--candidates", "0,4096"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["candidates"] == [0, 4096] and report["num_prompts"] == 3
+    assert report["steps_compared"] > 3  # every step has more than 0 rows
+    assert all(t > 0 for t in report["forward_s"].values())
+    ratios = report["ratios"]["4096"]
+    assert ratios["all"]["steps"] == report["steps_compared"]
+    assert sum(b["steps"] for b in ratios["by_rows"]) == report["steps_compared"]
+    assert "median" in capsys.readouterr().out
+    assert default == cpu_gemm.MAX_ROWS  # put back
