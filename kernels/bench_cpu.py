@@ -15,7 +15,8 @@ intermediate 1536, vocab 49152, 30 layers, bf16).
 
 Every path's output is checked against the torch reference before it is timed (exit code 1 on a
 mismatch). Times are the minimum over `--iters` calls (this host's speed drifts; the minimum is
-the least disturbed); two paths compared in one row take turns call by call. A path the machine lacks (no AMX, no AVX512-BF16) is reported as null.
+the least disturbed); two paths compared in one row take turns call by call. A path the machine
+lacks (no AMX, no AVX512-BF16) is reported as null.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`kvfleet bench {throughput,serve,kernels,cpu-kernels,decode-step,gemm-rows}`: speed claims are measured, with their baseline in
-the same run. Each sub-command lives in its own module."""
+"""`kvfleet bench {throughput,serve,kernels,cpu-kernels,decode-step,gemm-rows}`: speed claims
+are measured, with their baseline in the same run. Each sub-command lives in its own module."""
 
 from __future__ import annotations
 
