@@ -11,8 +11,8 @@
  * stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
  * attributed (the OpenMP wait policy did not change it).
  *
- * It takes decode-only steps (up to cpu_decode_step.MAX_ROWS sequences) of bf16 weights packed
- * for the AMX GEMM, which runs every projection here, and head-major bf16 caches;
+ * It takes decode-only steps (up to cpu_gemm.MAX_ROWS sequences, where the per-op path's
+ * projections run on the same AMX GEMM) of bf16 weights packed for it, and head-major bf16 caches;
  * cpu_decode_step.py checks that once per stack and per step, and everything else keeps the
  * per-op path. */
 #include <stdint.h>

@@ -9,8 +9,8 @@ from 26.6 to 16.1 ms at 1 sequence and from 69.1 to 53.5 ms at 32 (medians, `kvf
 decode-step`, docs/bench-decode-step.json).
 
 `build` says once per stack and set of caches whether it applies (bf16 weights prepacked for the
-AMX GEMM, head-major bf16 caches); `DecodeStack.accepts` says per step (decodes only, at most
-`MAX_ROWS` of them).
+AMX GEMM, head-major bf16 caches); `DecodeStack.accepts` says per step (decodes only, as many as
+the per-op path runs on the AMX GEMM: `cpu_gemm.MAX_ROWS`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,6 @@ from kvfleet.kernels.metadata import AttentionMetadata
 # Whether decode steps may take the fused call (tests turn it off to run the per-op path on the
 # same model and compare).
 ENABLED = True
-# The most sequences a fused step takes. Its projections always run on the AMX GEMM, which on
-# its own is no faster than oneDNN from ~128 rows (`kvfleet bench cpu-kernels`), but whole steps
-# measured faster fused than op by op with oneDNN's GEMMs at every count tried up to 256
-# (`kvfleet bench decode-step`, medians: 198 vs 172 ms at 128 sequences of 400 tokens,
-# docs/bench-decode-step.json; 79 vs 69 and 114 vs 87 ms at 192 and 256 of 40,
-# docs/bench-decode-step-large.json).
-MAX_ROWS = 256
 
 _BF16 = torch.bfloat16
 # cpu_decode_step.c's stage codes, for error messages.
@@ -166,10 +159,11 @@ class DecodeStack:
         self.max_position = cos_sin_cache.shape[0]
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether this step runs here: only decodes, at most `MAX_ROWS` of them."""
+        """Whether this step runs here: only decodes, no more than the per-op path would run
+        on the AMX GEMM (`cpu_gemm.MAX_ROWS`), so that fused and per-op give the same bits."""
         return (
             ENABLED
-            and 0 < rows <= MAX_ROWS
+            and 0 < rows <= cpu_gemm.MAX_ROWS
             and meta.num_decodes == rows == meta.num_seqs
             and meta.block_tables.dtype == torch.int32
             and meta.block_tables.stride(-1) == 1

@@ -2,11 +2,10 @@
 layer from Python) and as one fused C call (`kvfleet.kernels.cpu_decode_step`), at several
 batch sizes, in one run.
 
-Each batch size first checks that the two give the same hidden states to the bit (the op-by-op
-run then uses the AMX GEMM at every row count, as the fused call does), then times them
-alternately, the op-by-op run with its usual GEMM routing (oneDNN past `cpu_gemm.MAX_ROWS`
-rows): what a step costs with the fused call and without it. Times are the minimum and median
-over `--iters` steps each, logits included. CPU, bfloat16 only: elsewhere there is no fused call.
+Each batch size first checks that the two give the same hidden states to the bit (both run
+every projection on the AMX GEMM), then times them alternately: what a step costs with the
+fused call and without it. Times are the minimum and median over `--iters` steps each, logits
+included. CPU, bfloat16 only: elsewhere there is no fused call.
 """
 
 from __future__ import annotations
@@ -107,14 +106,12 @@ class _Batch:
 
 def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
     """Check the two paths give the same bits, then time them alternately."""
-    from kvfleet.kernels import cpu_decode_step, cpu_gemm
+    from kvfleet.kernels import cpu_decode_step
 
-    default_rows = cpu_gemm.MAX_ROWS
     cpu_decode_step.ENABLED = True
     fused, _ = batch.step()
-    cpu_decode_step.ENABLED, cpu_gemm.MAX_ROWS = False, max(default_rows, n)
+    cpu_decode_step.ENABLED = False
     per_op, _ = batch.step()
-    cpu_gemm.MAX_ROWS = default_rows
     if not torch.equal(fused, per_op):
         raise RuntimeError(f"fused decode step at {n} sequences: not the per-op bits")
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -143,22 +140,22 @@ def measure(model: str, sequences: list[int], context: int, iters: int) -> dict:
     net, config, _ = load_model(model, torch.bfloat16, "cpu")
     net.prepack()
     rows: list[StepRow] = []
-    previous_enabled, previous_rows = cpu_decode_step.ENABLED, cpu_gemm.MAX_ROWS
+    previous_enabled = cpu_decode_step.ENABLED
     try:
         with torch.inference_mode():
             for n in sequences:
                 batch = None
-                if n <= cpu_decode_step.MAX_ROWS:
+                if n <= cpu_gemm.MAX_ROWS:
                     batch = _Batch(torch, net, config, n, context)
                 if batch is None or net.decode_stack_for(batch.kv) is None:
                     raise RuntimeError(
                         f"no fused decode step here for {n} sequences (needs a bf16 model, "
-                        f"AMX, and at most {cpu_decode_step.MAX_ROWS} sequences)"
+                        f"AMX, and at most {cpu_gemm.MAX_ROWS} sequences)"
                     )
                 rows.append(_row(torch, batch, n, context, iters))
                 del batch  # its caches: the next batch size allocates its own
     finally:
-        cpu_decode_step.ENABLED, cpu_gemm.MAX_ROWS = previous_enabled, previous_rows
+        cpu_decode_step.ENABLED = previous_enabled
     return {
         "model": model,
         "threads": torch.get_num_threads(),

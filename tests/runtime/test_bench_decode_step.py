@@ -41,7 +41,7 @@ def test_bad_flags_are_named(tiny_llama_dir: Path, flags: list[str], capsys):
 
 
 def test_too_many_sequences_for_the_fused_call_is_refused(tiny_llama_dir: Path, capsys):
-    n = str(cpu_decode_step.MAX_ROWS + 1)
+    n = str(cpu_gemm.MAX_ROWS + 1)
     argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--sequences", n]
     assert main([*argv, "--context", "4", "--iters", "1"]) == 1
     assert "no fused decode step here" in capsys.readouterr().err
