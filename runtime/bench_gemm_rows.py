@@ -129,6 +129,7 @@ def _summary(ratios: list[float]) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, candidates: list[int]) -> dict[str, Any]:
+    import torch
     from kvfleet.kernels import cpu_gemm
     from kvfleet.runtime.bench_throughput import run_engine
     from kvfleet.runtime.bench_workload import standard_workload
@@ -138,7 +139,7 @@ def measure(args: argparse.Namespace, candidates: list[int]) -> dict[str, Any]:
         raise RuntimeError("no AMX GEMM on this machine or build: nothing to route")
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    if str(engine.device) != "cpu" or str(engine.dtype) != "torch.bfloat16":
+    if engine.device.type != "cpu" or engine.dtype != torch.bfloat16:
         raise RuntimeError(f"needs --device cpu and bfloat16, got {engine.device} {engine.dtype}")
     workload = standard_workload(
         engine.tokenizer,
