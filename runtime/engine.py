@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from kvfleet.kernels import cpu_features
 from kvfleet.runtime.config import ConfigError, EngineConfig
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -59,19 +60,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls run at least as fast as float32 here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
+        if device.type == "cuda" or cpu_features.native_bf16():
             return torch.bfloat16
         return torch.float32
     return getattr(torch, name)

@@ -6,20 +6,20 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfleet.kernels import cpu_gemm, cpu_linear, dispatch
+from kvfleet.kernels import cpu_features, cpu_gemm, cpu_linear, dispatch
 
 BF16 = torch.bfloat16
 
-pytestmark = [
-    pytest.mark.usefixtures("cpu_kernels_enabled"),
-    pytest.mark.skipif(
-        not cpu_linear._ops_present(), reason="this torch build or CPU has no oneDNN bf16 GEMM"
-    ),
-]
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+packs_bf16 = pytest.mark.skipif(
+    not cpu_linear._ops_present(),
+    reason="no oneDNN bf16 GEMM in this build, or the CPU only emulates bf16",
+)
 
 
 # Rows as a step sees them that oneDNN runs (fewer go to the AMX kernel where the CPU has one,
 # tested in test_cpu_gemm.py): one decode, an odd batch, a decode batch, a prefill chunk.
+@packs_bf16
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -38,6 +38,7 @@ def test_packed_linear_gives_f_linear_numbers(
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=0)
 
 
+@packs_bf16
 def test_packed_linear_takes_strided_and_batched_inputs():
     # 48 output features: no AMX tiles (test_cpu_gemm.py covers that path's shapes), oneDNN.
     gen = torch.Generator().manual_seed(1)
@@ -56,6 +57,21 @@ def test_packed_linear_takes_strided_and_batched_inputs():
 def test_other_dtypes_keep_the_plain_weight(dtype):
     # Packing made no float32 or float16 GEMM faster here; float32 keeps HF parity exact.
     w = torch.randn(8, 16, dtype=dtype)
+    assert dispatch.prepack_linear_weight(w) is w
+
+
+@pytest.fixture
+def emulated_bf16(monkeypatch):
+    """A CPU without AVX512-BF16 or AMX (whatever this one has)."""
+    monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
+    cpu_linear._ops_present.cache_clear()
+    yield
+    cpu_linear._ops_present.cache_clear()
+
+
+def test_weights_stay_plain_where_bf16_is_emulated(emulated_bf16):
+    # There the packed GEMM measured 5x slower than F.linear at one row.
+    w = torch.randn(64, 64).to(BF16)
     assert dispatch.prepack_linear_weight(w) is w
 
 
