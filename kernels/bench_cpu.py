@@ -376,7 +376,8 @@ def measure(iters: int) -> dict:
 
 
 def gemm_rows(torch, iters: int) -> list[dict]:
-    """The projection rows, or none where oneDNN's bf16 GEMM is missing (nothing to compare)."""
+    """The projection rows, or none where bf16 weights are not packed (no oneDNN bf16 GEMM, or
+    bf16 only emulated): nothing to compare."""
     from kvfleet.kernels import cpu_linear
 
     if not cpu_linear.available():

@@ -47,8 +47,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
 
-enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2, DTYPE_FP8_E5M2 = 3 };
-
 static size_t dtype_size(int dtype) {
     return dtype == DTYPE_FLOAT32 ? 4 : dtype == DTYPE_BFLOAT16 ? 2 : 1;
 }

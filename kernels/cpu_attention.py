@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from kvfleet.kernels import cpu_library, reference
 
-# The C file's DTYPE_* codes.
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+_DTYPES = cpu_library.DTYPE_CODES
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE = 256, 16, 256
 _ERRORS = {1: "unsupported shape or dtype", 2: "out of memory for per-thread scratch"}
 # Whether bf16 caches with head_dim 64 may take the AMX path where the CPU has it (tests turn

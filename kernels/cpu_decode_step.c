@@ -27,7 +27,6 @@ enum { STAGE_QKV = 1, STAGE_ROTARY_CACHE, STAGE_ATTENTION, STAGE_O, STAGE_GATE_U
 #define STATUS_RANGE 16
 
 enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SILU_AND_MUL = 2 }; /* cpu_gemm.c's */
-enum { DTYPE_BFLOAT16 = 1 }; /* cpu_attention.c's code, for its q/out and for the caches */
 
 /* One layer's weights (projections packed by cpu_gemm.pack) and its K/V caches. */
 typedef struct {
@@ -79,11 +78,12 @@ int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *
                                                 w->input_norm, stack->eps, w->qkv, w->qkv_bias,
                                                 qkv, qkv_n, m, qkv_n, h, num_threads));
         FAIL(STAGE_ROTARY_CACHE,
-             kvfleet_rotary_and_cache_bf16(
+             kvfleet_rotary_and_cache(
                  positions, m, qkv, qkv_n, stack->num_heads, qkv + q_size, qkv_n,
                  qkv + q_size + kv_size, qkv_n, stack->num_kv_heads, (int)d, stack->rot_dim,
                  stack->cos_sin, stack->cos_sin_stride, stack->max_position, w->k_cache,
-                 w->v_cache, slots, stack->num_blocks, stack->block_size, num_threads));
+                 w->v_cache, slots, stack->num_blocks, stack->block_size, DTYPE_BFLOAT16,
+                 num_threads));
         FAIL(STAGE_ATTENTION,
              kvfleet_decode_attention(qkv, qkv_n, attn, q_size, DTYPE_BFLOAT16, w->k_cache,
                                       w->v_cache, DTYPE_BFLOAT16, block_tables, table_stride,

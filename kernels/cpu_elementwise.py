@@ -2,9 +2,11 @@
 their torch references: RMSNorm with residual add, neox rotary embedding (alone, or with the
 new K/V written into the paged cache), SwiGLU's silu-and-mul.
 
-They take bfloat16 activations only, the CPU default wherever the CPU has AVX-512 BF16: in
-float32 the reference stays, so float32 runs keep matching Hugging Face token for token. Inputs
-a kernel cannot take go to the reference; `supports_*` say which.
+They take bfloat16 or float32 activations (the CPU default with and without AVX512-BF16). In
+float32 they differ from the reference by float32 summation order and exp's approximation, a
+few ulp, as the C decode attention already did; float32 runs still give Hugging Face's greedy
+tokens (tests/runtime/test_engine_matches_hf.py). Inputs a kernel cannot take go to the
+reference; `supports_*` say which.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ _LANES = 16
 _MAX_ROTARY_DIM = 1024
 
 
-def _is_cpu_bf16(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _is_cpu_activation(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one dtype the kernels take (bf16 or float32)."""
+    dtype = tensors[0].dtype
+    return dtype in _ACTIVATION_DTYPES and all(
+        t.device.type == "cpu" and t.dtype == dtype for t in tensors
+    )
 
 
 def _check(status: int, name: str) -> None:
@@ -29,7 +38,7 @@ def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     hidden = x.shape[-1]
     return (
         x.dim() == 2
-        and _is_cpu_bf16(x, weight)
+        and _is_cpu_activation(x, weight)
         and x.stride(-1) == 1
         and hidden % _LANES == 0
         and weight.shape == (hidden,)
@@ -58,7 +67,7 @@ def rms_norm(
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)  # contiguous, as the kernel writes it
     res = residual if residual is not None else torch.empty(rows, hidden, dtype=torch.float32)
-    status = cpu_library.library().kvfleet_add_rms_norm_bf16(
+    status = cpu_library.library().kvfleet_add_rms_norm(
         x.data_ptr(),
         x.stride(0),
         res.data_ptr(),
@@ -68,6 +77,7 @@ def rms_norm(
         rows,
         hidden,
         eps,
+        cpu_library.DTYPE_CODES[x.dtype],
         torch.get_num_threads(),
     )
     _check(status, "rms_norm")
@@ -89,7 +99,7 @@ def supports_rotary(
     rot = cos_sin_cache.shape[-1]
     return (
         is_neox
-        and _is_cpu_bf16(query, key)
+        and _is_cpu_activation(query, key)
         and _heads_packed(query)
         and _heads_packed(key)
         and query.shape[0] == key.shape[0] == positions.numel()
@@ -116,7 +126,7 @@ def rotary_embedding(
     goes to the reference)."""
     if not supports_rotary(positions, query, key, cos_sin_cache, is_neox):
         return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
-    status = cpu_library.library().kvfleet_rotary_neox_bf16(
+    status = cpu_library.library().kvfleet_rotary_neox(
         positions.data_ptr(),
         positions.numel(),
         query.data_ptr(),
@@ -130,6 +140,7 @@ def rotary_embedding(
         cos_sin_cache.data_ptr(),
         cos_sin_cache.stride(0),
         cos_sin_cache.shape[0],
+        cpu_library.DTYPE_CODES[query.dtype],
         torch.get_num_threads(),
     )
     if status == 2:
@@ -154,21 +165,21 @@ def rotary_and_cache(
     written to the cache while in L1). Returns the rotated query; key is rotated in place."""
     if not (
         supports_rotary(positions, query, key, cos_sin_cache, is_neox)
-        and k_cache.dtype == torch.bfloat16
+        and k_cache.dtype == query.dtype
         and cpu_cache.supports(key, value, k_cache, v_cache, slot_mapping)
     ):
         query, key = rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
         cpu_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         return query
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    status = cpu_library.library().kvfleet_rotary_and_cache_bf16(
+    status = cpu_library.library().kvfleet_rotary_and_cache(
         positions.data_ptr(), positions.numel(),
         query.data_ptr(), query.stride(0), query.shape[1],
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key.shape[1],
         query.shape[2], cos_sin_cache.shape[-1],
         cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), cos_sin_cache.shape[0],
         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-        num_blocks, block_size, torch.get_num_threads(),
+        num_blocks, block_size, cpu_library.DTYPE_CODES[query.dtype], torch.get_num_threads(),
     )  # fmt: skip
     if status == 2:
         raise IndexError(f"rotary_embedding: a position is outside [0, {cos_sin_cache.shape[0]})")
@@ -181,7 +192,7 @@ def rotary_and_cache(
 def supports_silu_and_mul(x: torch.Tensor) -> bool:
     return (
         x.dim() == 2
-        and _is_cpu_bf16(x)
+        and _is_cpu_activation(x)
         and x.stride(1) == 1
         and x.shape[1] % 2 == 0
         and x.shape[1] > 0
@@ -190,14 +201,20 @@ def supports_silu_and_mul(x: torch.Tensor) -> bool:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`reference.silu_and_mul` in one pass, rounding once (the reference rounds silu's result
-    to bf16 before the multiply, so results differ by up to one bf16 step)."""
+    """`reference.silu_and_mul` in one pass, rounding once (in bf16 the reference rounds silu's
+    result before the multiply, so results differ by up to one bf16 step)."""
     if not supports_silu_and_mul(x):
         return reference.silu_and_mul(x)
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d, dtype=x.dtype)
-    status = cpu_library.library().kvfleet_silu_and_mul_bf16(
-        x.data_ptr(), x.stride(0), out.data_ptr(), rows, d, torch.get_num_threads()
+    status = cpu_library.library().kvfleet_silu_and_mul(
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        rows,
+        d,
+        cpu_library.DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
     )
     _check(status, "silu_and_mul")
     return out

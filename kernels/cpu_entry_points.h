@@ -6,6 +6,9 @@
 
 #include <stdint.h>
 
+/* Element types of activations and caches across the ABI (cpu_attention.py's _DTYPES). */
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2, DTYPE_FP8_E5M2 = 3 };
+
 /* cpu_gemm.c */
 int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, float *residual,
                             int has_residual, const uint16_t *norm_weight, float eps,
@@ -14,13 +17,12 @@ int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, f
                             int num_threads);
 
 /* cpu_elementwise.c */
-int kvfleet_rotary_and_cache_bf16(const int64_t *positions, int64_t tokens, uint16_t *q,
-                                  int64_t q_stride, int q_heads, uint16_t *k, int64_t k_stride,
-                                  const uint16_t *v, int64_t v_stride, int k_heads,
-                                  int head_dim, int rot_dim, const float *cos_sin,
-                                  int64_t cos_sin_stride, int64_t max_position,
-                                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
-                                  int64_t num_blocks, int block_size, int num_threads);
+int kvfleet_rotary_and_cache(const int64_t *positions, int64_t tokens, void *q, int64_t q_stride,
+                             int q_heads, void *k, int64_t k_stride, const void *v,
+                             int64_t v_stride, int k_heads, int head_dim, int rot_dim,
+                             const float *cos_sin, int64_t cos_sin_stride, int64_t max_position,
+                             void *k_cache, void *v_cache, const int64_t *slots,
+                             int64_t num_blocks, int block_size, int io_dtype, int num_threads);
 
 /* cpu_attention.c */
 int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_io,

@@ -196,10 +196,10 @@ static int multiply(uint16_t *a, const uint16_t *packed, const float *bias, uint
  * cpu_gemm.pack, where row r is made from x's row r (bf16, row stride x_stride) by `prologue`
  * while it is packed into A tiles, instead of through a tensor and another call:
  * - PROLOGUE_NONE: x's row itself (k values);
- * - PROLOGUE_RMS_NORM: RMSNorm with its residual add, kvfleet_add_rms_norm_bf16's arithmetic
+ * - PROLOGUE_RMS_NORM: RMSNorm with its residual add, kvfleet_add_rms_norm's arithmetic in bf16
  *   (residual float32 [m, k], contiguous, becomes x + residual, or x when has_residual is 0;
  *   norm_weight [k], eps);
- * - PROLOGUE_SILU_AND_MUL: silu(x[:k]) * x[k:2k], kvfleet_silu_and_mul_bf16's arithmetic.
+ * - PROLOGUE_SILU_AND_MUL: silu(x[:k]) * x[k:2k], kvfleet_silu_and_mul's arithmetic in bf16.
  * The same bits as the separate kernels then this GEMM. */
 int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, float *residual,
                             int has_residual, const uint16_t *norm_weight, float eps,

@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -41,6 +43,9 @@ HEADERS = [HERE / name for name in ("cpu_math.h", "cpu_amx.h", "cpu_cache.h", "c
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
+# cpu_entry_points.h's DTYPE_* codes: the element type of activations and caches across the ABI.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The library's C ABI in one place: argument types of every exported function (all return int).
 SIGNATURES: dict[str, list[type]] = {
@@ -57,17 +62,17 @@ SIGNATURES: dict[str, list[type]] = {
     # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
     # head_dim, block_size, num_blocks, elem_size
     "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],
-    # x, x_stride, residual, has_residual, weight, out, rows, hidden, eps, num_threads
-    "kvfleet_add_rms_norm_bf16": [_p, _i64, _p, _i, _p, _p, _i64, _i, _f, _i],
+    # x, x_stride, residual, has_residual, weight, out, rows, hidden, eps, io_dtype, num_threads
+    "kvfleet_add_rms_norm": [_p, _i64, _p, _i, _p, _p, _i64, _i, _f, _i, _i],
     # positions, tokens, q, q_stride, q_heads, k, k_stride, k_heads, head_dim, rot_dim,
-    # cos_sin, cos_sin_stride, max_position, num_threads
-    "kvfleet_rotary_neox_bf16": [_p, _i64, _p, _i64, _i, _p, _i64, _i, _i, _i, _p, _i64, _i64, _i],
+    # cos_sin, cos_sin_stride, max_position, io_dtype, num_threads
+    "kvfleet_rotary_neox": [_p, _i64, _p, _i64, _i, _p, _i64, _i, _i, _i, _p, _i64, _i64, _i, _i],
     # positions, tokens, q, q_stride, q_heads, k, k_stride, v, v_stride, kv_heads, head_dim,
     # rot_dim, cos_sin, cos_sin_stride, max_position, k_cache, v_cache, slots, num_blocks,
-    # block_size, num_threads
-    "kvfleet_rotary_and_cache_bf16": [_p, _i64, _p, _i64, _i, _p, _i64, _p, _i64, _i, _i, _i, _p, _i64, _i64, _p, _p, _p, _i64, _i, _i],
-    # x, x_stride, out, rows, d, num_threads
-    "kvfleet_silu_and_mul_bf16": [_p, _i64, _p, _i64, _i, _i],
+    # block_size, io_dtype, num_threads
+    "kvfleet_rotary_and_cache": [_p, _i64, _p, _i64, _i, _p, _i64, _p, _i64, _i, _i, _i, _p, _i64, _i64, _p, _p, _p, _i64, _i, _i, _i],
+    # x, x_stride, out, rows, d, io_dtype, num_threads
+    "kvfleet_silu_and_mul": [_p, _i64, _p, _i64, _i, _i, _i],
     # x, x_stride, rows, cols, out, num_threads
     "kvfleet_argmax_f32": [_p, _i64, _i64, _i64, _p, _i],
     # x, x_stride, prologue, residual, has_residual, norm_weight, eps, packed, bias, out,

@@ -18,7 +18,8 @@ tokens beside them) go to kvfleet's AMX kernel instead, which is faster than one
 layouts (`PackedLinear`), twice its plain size in memory.
 
 float32 and float16 gained nothing from packing here, so they keep the plain weight and
-`F.linear`; so does bf16 on a CPU that only emulates it (`cpu_features.native_bf16`). The packed ops are the ones PyTorch's own compiler uses for frozen CPU models
+`F.linear`; so does bf16 on a CPU that only emulates it (`cpu_features.native_bf16`). The
+packed ops are the ones PyTorch's own compiler uses for frozen CPU models
 (`torch.ops.mkldnn`); where a build lacks them, or `KVFLEET_CPU_KERNELS=0`, weights stay plain.
 """
 

@@ -27,23 +27,43 @@ static inline uint16_t f32_to_bf16(float f) {
                                                 : (uint16_t)rounded;
 }
 
+/* Activations are bf16 (as uint16) or float32. The row functions below take the type as a flag
+ * that every caller passes as a literal, so each inlined copy is one type's loop, no branch. */
+static inline float load_act(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_act(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
 /* One row of RMSNorm with its residual add: r = x + r (r = x when has_residual is 0), in float32
- * and in place; o = bf16(r / sqrt(mean(r^2) + eps) * weight). hidden a multiple of 16. Shared by
- * the RMSNorm kernel and the AMX GEMM that normalises its input rows while packing them, so both
- * give the same bits. */
-static inline void add_rms_norm_row(const uint16_t *x, float *r, int has_residual,
-                                    const uint16_t *weight, uint16_t *o, int hidden, float eps) {
+ * and in place; o = r / sqrt(mean(r^2) + eps) * weight, in the activations' type. hidden a
+ * multiple of 16. The bf16 form is shared by the RMSNorm kernel and the AMX GEMM that normalises
+ * its input rows while packing them, so both give the same bits. */
+static inline void add_rms_norm_row_as(const void *x, float *r, int has_residual,
+                                       const void *weight, void *o, int hidden, float eps,
+                                       int bf16) {
     float squares[16] = {0};
     for (int i = 0; i < hidden; i += 16)
         for (int l = 0; l < 16; l++) {
-            const float v = bf16_to_f32(x[i + l]) + (has_residual ? r[i + l] : 0.0f);
+            const float v = load_act(x, i + l, bf16) + (has_residual ? r[i + l] : 0.0f);
             r[i + l] = v;
             squares[l] += v * v;
         }
     float sum = 0.0f;
     for (int l = 0; l < 16; l++) sum += squares[l];
     const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-    for (int i = 0; i < hidden; i++) o[i] = f32_to_bf16(r[i] * inv * bf16_to_f32(weight[i]));
+    for (int i = 0; i < hidden; i++)
+        store_act(o, i, r[i] * inv * load_act(weight, i, bf16), bf16);
+}
+
+static inline void add_rms_norm_row(const uint16_t *x, float *r, int has_residual,
+                                    const uint16_t *weight, uint16_t *o, int hidden, float eps) {
+    add_rms_norm_row_as(x, r, has_residual, weight, o, hidden, eps, 1);
 }
 
 /* exp(x) for x <= 0 (attention scores minus their running max), within 2 ulp of expf. libm's
@@ -95,39 +115,70 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-/* One row of SwiGLU's gate: o[i] = bf16(silu(g[i]) * u[i]) for the row's 2 * d values g = x[:d],
- * u = x[d:]. silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (never overflows) and a reciprocal
- * estimate refined by one Newton step (a vector divide was a third of the time). Shared by the
- * silu-and-mul kernel and the AMX GEMM that applies it while packing its input rows, so both
- * give the same bits. */
-static inline void silu_and_mul_row(const uint16_t *x, uint16_t *o, int d) {
-    const uint16_t *gate = x, *up = x + d;
-    int i = 0;
+#ifdef __AVX512F__
+/* 16 activations widened to float32 (bf16 is the top half of a float32: a shift). */
+static inline __m512 load16_act(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))),
+            16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* Whether silu_and_mul_row_as's vector loop runs for a type: bf16 needs AVX512-BF16 for its
+ * rounding store, float32 AVX-512 alone. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    for (; i + 16 <= d; i += 16) {
-        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
-        const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
-        const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
-        const __m512 e = exp16(neg_abs);
-        const __m512 den = _mm512_add_ps(one, e);
-        __m512 inv = _mm512_rcp14_ps(den);
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
-        const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, inv, e);
-        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
-        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+#define SILU_VECTOR(bf16) 1
+#elif defined(__AVX512F__)
+#define SILU_VECTOR(bf16) (!(bf16))
+#else
+#define SILU_VECTOR(bf16) 0
+#endif
+
+/* One row of SwiGLU's gate: o[i] = silu(g[i]) * u[i] for the row's 2 * d values g = x[:d],
+ * u = x[d:], rounded once to the activations' type. silu(g) = g * sigmoid(g), sigmoid from
+ * exp(-|g|) (never overflows) and a reciprocal estimate refined by one Newton step (a vector
+ * divide was a third of the time). The bf16 form is shared by the silu-and-mul kernel and the
+ * AMX GEMM that applies it while packing its input rows, so both give the same bits. */
+static inline void silu_and_mul_row_as(const void *x, void *o, int d, int bf16) {
+    int i = 0;
+#ifdef __AVX512F__
+    if (SILU_VECTOR(bf16)) {
+        const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+        const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+        for (; i + 16 <= d; i += 16) {
+            const __m512 g = load16_act(x, i, bf16), u = load16_act(x, d + i, bf16);
+            const __m512 neg_abs =
+                _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
+            const __m512 e = exp16(neg_abs);
+            const __m512 den = _mm512_add_ps(one, e);
+            __m512 inv = _mm512_rcp14_ps(den);
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
+            const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, inv, e);
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+#ifdef __AVX512BF16__
+            if (bf16) {
+                _mm256_storeu_si256((__m256i *)((uint16_t *)o + i),
+                                    (__m256i)_mm512_cvtneps_pbh(y));
+                continue;
+            }
+#endif
+            _mm512_storeu_ps((float *)o + i, y);
+        }
     }
 #endif
     for (; i < d; i++) {
-        const float g = bf16_to_f32(gate[i]);
+        const float g = load_act(x, i, bf16);
         const float e = exp_nonpositive(g < 0.0f ? g : -g);
         const float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);
-        o[i] = f32_to_bf16(g * sigmoid * bf16_to_f32(up[i]));
+        store_act(o, i, g * sigmoid * load_act(x, d + i, bf16), bf16);
     }
+}
+
+static inline void silu_and_mul_row(const uint16_t *x, uint16_t *o, int d) {
+    silu_and_mul_row_as(x, o, d, 1);
 }
 
 #endif

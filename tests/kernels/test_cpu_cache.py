@@ -56,27 +56,28 @@ def test_a_contiguous_cache_goes_to_the_reference():
     assert torch.equal(k[1, 1], key[1]) and torch.equal(v[3, 7], key[2])
 
 
-def _qkv_step(tokens, heads, kv_heads, head_dim, seed):
-    """q, k, v as the model makes them: views into one fused bf16 qkv row per token."""
+def _qkv_step(tokens, heads, kv_heads, head_dim, seed, dtype=torch.bfloat16):
+    """q, k, v as the model makes them: views into one fused qkv row per token."""
     gen = torch.Generator().manual_seed(seed)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
     return qkv, q, k, v, gen
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,head_dim,block_size",
     [(1, 9, 3, 64, 16), (70, 8, 2, 128, 8), (300, 9, 3, 64, 32)],
 )
 def test_rotary_and_cache_writes_the_bytes_of_the_two_separate_calls(
-    tokens, heads, kv_heads, head_dim, block_size
+    dtype, tokens, heads, kv_heads, head_dim, block_size
 ):
     """One C call per layer instead of rotary then reshape_and_cache: the same rotated q and
     k, the same cache bytes, padding slots skipped (300 tokens run on the OpenMP team)."""
-    qkv, q, k, v, gen = _qkv_step(tokens, heads, kv_heads, head_dim, tokens)
+    qkv, q, k, v, gen = _qkv_step(tokens, heads, kv_heads, head_dim, tokens, dtype)
     cos_sin = torch.randn(2048, head_dim, generator=gen)
     positions = torch.randint(0, 2048, (tokens,), generator=gen)
     slots = torch.randperm(40 * block_size, generator=gen)[:tokens]
@@ -84,8 +85,8 @@ def test_rotary_and_cache_writes_the_bytes_of_the_two_separate_calls(
     want_qkv = qkv.clone()
     wq, wk, wv = (t.view(tokens, -1, head_dim) for t in want_qkv.split(
         (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))  # fmt: skip
-    want_k, want_v = caches(40, block_size, kv_heads, head_dim, torch.bfloat16)
-    got_k, got_v = caches(40, block_size, kv_heads, head_dim, torch.bfloat16)
+    want_k, want_v = caches(40, block_size, kv_heads, head_dim, dtype)
+    got_k, got_v = caches(40, block_size, kv_heads, head_dim, dtype)
     wq, wk = cpu_elementwise.rotary_embedding(positions, wq, wk, cos_sin)
     cpu_cache.reshape_and_cache(wk, wv, want_k, want_v, slots)
 
@@ -112,13 +113,12 @@ def test_rotary_and_cache_bad_slot_or_position_is_an_error_that_writes_nothing()
     assert torch.equal(qkv, before) and bool(k_cache.isnan().all())
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float32])
-def test_rotary_and_cache_into_other_caches_takes_the_separate_paths(cache_dtype):
-    """An fp8 cache (rows converted first) or a float32 model is not the fused kernel's: the
-    result is still the separate calls'."""
-    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
-    _, q, k, v, gen = _qkv_step(5, 3, 1, 64, 3)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_and_cache_into_an_fp8_cache_takes_the_separate_paths(dtype):
+    """An fp8 cache (rows converted first) is not the fused kernel's: the result is still the
+    separate calls'."""
+    cache_dtype = torch.float8_e4m3fn
+    _, q, k, v, gen = _qkv_step(5, 3, 1, 64, 3, dtype)
     cos_sin = torch.randn(32, 64, generator=gen)
     positions, slots = torch.arange(5), torch.tensor([0, 9, -1, 4, 30])
     want_k, want_v = reference.allocate_kv_cache(4, 8, 1, 64, cache_dtype, "cpu", head_major=True)

@@ -1,12 +1,12 @@
 """The C CPU elementwise kernels (RMSNorm + residual, neox rotary, silu-and-mul) against their
-torch references, and the dispatch that picks them for bfloat16 on CPU only."""
+torch references, in bfloat16 and float32, and the dispatch that picks them on CPU."""
 
 import pytest
 import torch
 from kernel_cases import TOLERANCE
 from kvfleet.kernels import cpu_elementwise, cpu_library, dispatch, reference
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
@@ -16,21 +16,29 @@ def one_ulp_of(t: torch.Tensor) -> dict:
     return dict(atol=float(t.abs().max()) * 2**-8, rtol=2**-7)
 
 
+def few_ulp_of(t: torch.Tensor) -> dict:
+    """float32 tolerance: 8 ulp (2^-20 relative), room for summation order and exp's
+    approximation (measured up to 3.5 ulp), far below any wrong formula."""
+    return dict(atol=float(t.abs().max()) * 2**-22, rtol=2**-20)
+
+
 # rows 1 and 7 run on one thread; 2048 x 576 crosses the size that wakes the OpenMP team.
+@pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (2048, 576), (33, 128)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_reference(rows, hidden, with_residual):
+def test_rms_norm_matches_reference(dtype, rows, hidden, with_residual):
     gen = torch.Generator().manual_seed(rows * hidden)
-    x = (torch.randn(rows, hidden, generator=gen) * 3).to(BF16)
-    weight = torch.randn(hidden, generator=gen).to(BF16)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
     residual = torch.randn(rows, hidden, generator=gen) if with_residual else None
     want_out, want_res = reference.rms_norm(x, weight, 1e-5, residual)
     given = residual.clone() if residual is not None else None
     out, res = cpu_elementwise.rms_norm(x, weight, 1e-5, given)
 
-    assert out.dtype == BF16 and res.dtype == torch.float32
+    assert out.dtype == dtype and res.dtype == torch.float32
     torch.testing.assert_close(res, want_res, atol=0, rtol=0)  # x + residual is exact in f32
-    torch.testing.assert_close(out, want_out, **one_ulp_of(want_out))
+    close = one_ulp_of if dtype == BF16 else few_ulp_of
+    torch.testing.assert_close(out, want_out, **close(want_out))
     if given is not None:
         assert res.data_ptr() == given.data_ptr()  # updated in place, as documented
 
@@ -80,6 +88,27 @@ def test_rotary_matches_float32_rotation_on_fused_qkv_views(
     torch.testing.assert_close(got_k, ref_k, **TOLERANCE[BF16])
 
 
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim,rotary_dim", [(1, 9, 3, 64, 64), (300, 4, 1, 64, 32)]
+)
+def test_float32_rotary_matches_the_exact_rotation(tokens, heads, kv_heads, head_dim, rotary_dim):
+    """In float32 nothing is rounded to bf16 first: float64's rotation, to a few ulp."""
+    gen = torch.Generator().manual_seed(tokens)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen)
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    cos_sin = torch.randn(4096, rotary_dim, generator=gen)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    exact = reference.rotary_embedding(positions, q.double(), k.double(), cos_sin.double())
+
+    got_q, got_k = cpu_elementwise.rotary_embedding(positions, q, k, cos_sin)
+
+    assert got_q.dtype == F32 and got_q.data_ptr() == q.data_ptr()
+    for got, want in zip((got_q, got_k), exact, strict=True):
+        torch.testing.assert_close(got, want.float(), **few_ulp_of(want))
+
+
 def test_rotary_position_outside_the_table_is_an_error_and_writes_nothing():
     q = torch.randn(3, 2, 64).to(BF16)
     k = torch.randn(3, 1, 64).to(BF16)
@@ -121,6 +150,18 @@ def test_silu_and_mul_rounds_the_float32_result_once(rows, d):
     assert out[0, 0] == 0 and out[0, 2] == 0  # silu(-100) underflows to 0; silu(0) is 0
 
 
+@pytest.mark.parametrize("rows,d", [(1, 1536), (7, 40), (2048, 1536)])
+def test_float32_silu_and_mul_matches_the_exact_gate(rows, d):
+    gen = torch.Generator().manual_seed(rows + d)
+    x = torch.randn(rows, 2 * d, generator=gen) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = x.double().chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    out = cpu_elementwise.silu_and_mul(x)
+    assert out.dtype == F32 and out.shape == (rows, d)
+    torch.testing.assert_close(out, exact.float(), atol=1e-30, rtol=2**-20)
+
+
 def test_silu_and_mul_reads_a_strided_input():
     wide = (torch.randn(4, 100) * 2).to(BF16)
     x = wide[:, 10:74]  # row stride 100, d = 32
@@ -129,28 +170,25 @@ def test_silu_and_mul_reads_a_strided_input():
     )
 
 
-def test_dispatch_takes_the_c_kernels_for_bf16_only(monkeypatch):
-    calls = []
-    real_norm = cpu_library.library().kvfleet_add_rms_norm_bf16
-    lib = cpu_library.library()
-    monkeypatch.setattr(
-        lib, "kvfleet_add_rms_norm_bf16", lambda *a: calls.append("bf16") or real_norm(*a)
-    )
+def test_dispatch_takes_the_c_kernels_for_bf16_and_float32_only(monkeypatch):
+    lib, calls = cpu_library.library(), []
+    for name in ("kvfleet_add_rms_norm", "kvfleet_silu_and_mul"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, real=real, name=name: (
+            calls.append((name, a[-2])) or real(*a)))  # fmt: skip
     x, w = torch.randn(3, 64), torch.randn(64)
-    out32, _ = dispatch.rms_norm(x, w, 1e-5)
-    assert calls == []  # float32 keeps the reference: exact parity with transformers
-    assert torch.equal(out32, reference.rms_norm(x, w, 1e-5)[0])
-    dispatch.rms_norm(x.to(BF16), w.to(BF16), 1e-5)
-    assert calls == ["bf16"]
-
-    real_silu = lib.kvfleet_silu_and_mul_bf16
-    monkeypatch.setattr(
-        lib, "kvfleet_silu_and_mul_bf16", lambda *a: calls.append("silu") or real_silu(*a)
-    )
-    gate_up = torch.randn(3, 64)
-    assert torch.equal(dispatch.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
-    dispatch.silu_and_mul(gate_up.to(BF16))
-    assert calls == ["bf16", "silu"]
+    for dtype in (F32, BF16, torch.float16):
+        dispatch.rms_norm(x.to(dtype), w.to(dtype), 1e-5)
+        dispatch.silu_and_mul(x.to(dtype))
+    codes = cpu_library.DTYPE_CODES
+    assert calls == [  # float16 stays on the reference
+        ("kvfleet_add_rms_norm", codes[F32]),
+        ("kvfleet_silu_and_mul", codes[F32]),
+        ("kvfleet_add_rms_norm", codes[BF16]),
+        ("kvfleet_silu_and_mul", codes[BF16]),
+    ]
+    # The weight must be the activations' type: mixed inputs go to the reference.
+    assert not cpu_elementwise.supports_rms_norm(x, w.to(BF16), None)
 
 
 def test_disabled_kernels_fall_back_to_the_reference(monkeypatch):

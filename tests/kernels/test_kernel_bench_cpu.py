@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from kvfleet.kernels import bench_cpu, cpu_attention, cpu_gemm, cpu_prefill
+from kvfleet.kernels import bench_cpu, cpu_attention, cpu_gemm, cpu_linear, cpu_prefill
 from kvfleet.runtime.cli import main
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
@@ -63,7 +63,8 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
         ("shuffled", 2),
         ("consecutive", 2),
     ]
-    assert [r["rows"] for r in report["projections"]] == [4]
+    # Projections are compared only where bf16 weights are packed (native bf16).
+    assert [r["rows"] for r in report["projections"]] == ([4] if cpu_linear.available() else [])
     assert "prefill attention" in capsys.readouterr().out
 
 
