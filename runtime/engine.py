@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from kvfleet.kernels import cpu_features
 from kvfleet.runtime.config import ConfigError, EngineConfig
+from kvfleet.runtime.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kvfleet.runtime.model_runner import ModelRunner, kv_bytes_per_token
@@ -85,6 +86,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # steps reuse freed activations' pages instead of faulting in new
         torch.manual_seed(config.seed)
         # A wrong --tokenizer fails here, before seconds of weight loading.
         tokenizer_folder = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
