@@ -1,6 +1,7 @@
-"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_cache.c,
-cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c and cpu_decode_step.c (with their shared headers
-cpu_math.h, cpu_amx.h, cpu_cache.h and cpu_entry_points.h), built into one shared object.
+"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_prefill_f32.c,
+cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c and cpu_decode_step.c (with their
+shared headers cpu_math.h, cpu_amx.h, cpu_cache.h and cpu_entry_points.h), built into one shared
+object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -32,6 +33,7 @@ HERE = Path(__file__).parent
 _SOURCE_NAMES = (
     "cpu_attention.c",
     "cpu_prefill.c",
+    "cpu_prefill_f32.c",
     "cpu_cache.c",
     "cpu_elementwise.c",
     "cpu_argmax.c",
@@ -59,6 +61,9 @@ SIGNATURES: dict[str, list[type]] = {
     # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
     "kvfleet_prefill_attention_bf16": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
     "kvfleet_prefill_attention_amx": [],
+    # the same arguments, float32 throughout
+    "kvfleet_prefill_attention_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
+    "kvfleet_prefill_attention_f32_avx512": [],
     # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
     # head_dim, block_size, num_blocks, elem_size
     "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],

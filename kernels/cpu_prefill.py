@@ -1,8 +1,8 @@
-"""The AMX prefill-attention kernel for the CPU path (kernels/cpu_prefill.c): one sequence's
-prompt tokens (a chunk, or a suffix after a prefix-cache hit) against its paged bf16 K/V, at
-1.7-2.6x the speed of torch's SDPA flash kernel with head_dim 64 (`kvfleet bench cpu-kernels`).
-Where the CPU or build has no AMX, or the inputs do not fit (`supports`), callers keep the
-reference's SDPA."""
+"""The CPU prefill-attention kernels: one sequence's prompt tokens (a chunk, or a suffix after a
+prefix-cache hit) against its paged K/V. bf16 runs on AMX tiles (kernels/cpu_prefill.c, 1.7-2.6x
+the speed of torch's SDPA flash kernel with head_dim 64, `kvfleet bench cpu-kernels`); float32
+on AVX-512 (kernels/cpu_prefill_f32.c). Where the CPU or build lacks what a dtype's kernel
+needs (`available`), or the inputs do not fit (`supports`), callers keep the reference's SDPA."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from kvfleet.kernels import cpu_library, reference
 
 _MAX_HEAD_DIM = 256
-_ERRORS = {1: "unsupported shape", 2: "out of memory", 3: "no AMX on this CPU or build"}
+_ERRORS = {1: "unsupported shape", 2: "out of memory", 3: "no AMX or AVX-512 on this CPU or build"}
 
 
 @functools.cache
@@ -21,25 +21,38 @@ def _amx(lib: object) -> bool:
     return bool(lib.kvfleet_prefill_attention_amx())
 
 
-def available() -> bool:
-    """Whether the kernel can run here: the C library builds and the CPU grants AMX tiles."""
-    return cpu_library.available() and _amx(cpu_library.library())
+@functools.cache
+def _avx512(lib: object) -> bool:
+    return bool(lib.kvfleet_prefill_attention_f32_avx512())
+
+
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `dtype`'s kernel can run here: the C library builds, and the CPU grants AMX tiles
+    (bf16) or the build has AVX-512 (float32)."""
+    if not cpu_library.available():
+        return False
+    if dtype == torch.float32:
+        return _avx512(cpu_library.library())
+    return dtype == torch.bfloat16 and _amx(cpu_library.library())
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """bf16 CPU tensors, head-major bf16 caches with blocks of a multiple of 16 tokens,
-    head_dim a multiple of 32 up to 256, whole GQA groups, each token's heads packed."""
+    """CPU tensors of one dtype, bf16 or float32; head-major caches; whole GQA groups; each
+    token's heads packed. bf16 (AMX): head_dim a multiple of 32 up to 256, blocks a multiple of
+    16 tokens; float32: head_dim a multiple of 16 up to 256, any block size."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    bf16 = query.dtype == torch.bfloat16
     return (
         query.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+        and query.dtype == k_cache.dtype == v_cache.dtype
+        and query.dtype in (torch.bfloat16, torch.float32)
         and k_cache.shape == v_cache.shape
         and reference._is_head_major(k_cache)
         and reference._is_head_major(v_cache)
-        and head_dim % 32 == 0
+        and head_dim % (32 if bf16 else 16) == 0
         and 0 < head_dim <= _MAX_HEAD_DIM
-        and block_size % 16 == 0
+        and (block_size % 16 == 0 or not bf16)
         and num_heads % num_kv_heads == 0
         and query.stride(2) == 1
         and query.stride(1) == head_dim
@@ -57,7 +70,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     """`reference.prefill_attention` (causal, the query being the last q of `seq_len`
     positions) written into `out` ([q, heads, D], heads packed per token) when given. Callers
-    check `available()` and `supports()` first."""
+    check `available(query.dtype)` and `supports()` first."""
     q_len, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     target = out
@@ -66,7 +79,12 @@ def prefill_attention(
     table = block_table.to(torch.int32).contiguous()
     # The storage behind the permuted view: [kv_heads, blocks, block, D], contiguous.
     k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-    status = cpu_library.library().kvfleet_prefill_attention_bf16(
+    kernel = (
+        cpu_library.library().kvfleet_prefill_attention_bf16
+        if query.dtype == torch.bfloat16
+        else cpu_library.library().kvfleet_prefill_attention_f32
+    )
+    status = kernel(
         query.data_ptr(),
         query.stride(0),
         out.data_ptr(),

@@ -1,5 +1,6 @@
-"""The AMX prefill-attention kernel against a dense float64 softmax and the SDPA reference,
-and the dispatch that picks it for bf16 prefills where the CPU has AMX."""
+"""The CPU prefill-attention kernels (bf16 on AMX, float32 on AVX-512) against a dense float64
+softmax and the SDPA reference, and the dispatch that picks them where the CPU has what they
+need."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from kernel_cases import (
     TOLERANCE,
     attention_metadata,
     contiguous_context,
+    cpu_flags,
     cpu_has_amx,
     dense_attention,
     head_major,
@@ -14,38 +16,44 @@ from kernel_cases import (
 )
 from kvfleet.kernels import cpu_prefill, dispatch, reference
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
+# float32 against a float64 softmax: summation order and exp's 2 ulp, nothing more.
+CLOSE = {BF16: TOLERANCE[BF16], F32: dict(atol=1e-5, rtol=1e-5)}
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
-def _need_amx():
-    if not cpu_prefill.available():
-        pytest.skip("this CPU or build has no AMX (test_amx_where_the_cpu_has_it checks which)")
+def _need_kernel(dtype=BF16):
+    if not cpu_prefill.available(dtype):
+        pytest.skip(f"this CPU or build has no {'AMX' if dtype == BF16 else 'AVX-512'} (a test "
+                    "below checks which)")  # fmt: skip
 
 
 def test_amx_where_the_cpu_has_it():
-    """The kernel runs wherever the CPU has AMX-BF16: a build or permission failure there is a
-    bug, so the numeric tests below cannot skip silently on such a machine."""
+    """The bf16 kernel runs wherever the CPU has AMX-BF16, the float32 one wherever it has
+    AVX-512: a build or permission failure there is a bug, so the numeric tests below cannot
+    skip silently on such a machine."""
     assert cpu_prefill.available() == cpu_has_amx()
+    assert cpu_prefill.available(F32) == ("avx512f" in cpu_flags())
 
 
-def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0):
+def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0, dtype=BF16):
     """One sequence's query and paged cache; `ramp` scales key p by 1 + ramp * p."""
     gen = torch.Generator().manual_seed(seed)
-    case = paged_case(gen, [seq_len], block_size, kv_heads, head_dim, BF16)
+    case = paged_case(gen, [seq_len], block_size, kv_heads, head_dim, dtype)
     for p in range(seq_len):
         block, offset = int(case.block_tables[0, p // block_size]), p % block_size
         case.k_cache[block, offset] *= 1 + ramp * p
     k, v = head_major(case.k_cache), head_major(case.v_cache)
-    query = torch.randn((q_len, kv_heads * ratio, head_dim), generator=gen).to(BF16)
+    query = torch.randn((q_len, kv_heads * ratio, head_dim), generator=gen).to(dtype)
     return query, k, v, case.block_tables[0]
 
 
 # (q_len, seq_len, kv_heads, gqa ratio, head_dim, block_size): one query; one whole 16-query
 # tile; a tail tile after cached context; a full causal prompt with GQA 8 and 32-token blocks;
 # a short suffix after a long cached prefix (a prefix-cache hit); head_dim 128 and 96 (O through
-# memory rather than tile registers); head_dim 32 with 48-token blocks.
+# memory rather than tile registers); head_dim 32 with 48-token blocks. float32 adds 8-token
+# blocks, head_dim 16, and a 2048-token prompt (tiles of 32 rows, steps of 32 keys, two threads).
 CASES = [
     (1, 1, 1, 1, 64, 16),
     (16, 16, 3, 3, 64, 16),
@@ -56,73 +64,82 @@ CASES = [
     (50, 90, 2, 4, 96, 16),
     (33, 33, 1, 3, 32, 48),
 ]
+F32_CASES = [(30, 45, 2, 3, 64, 8), (9, 9, 1, 4, 16, 16), (2048, 2048, 3, 3, 64, 16)]
+DTYPE_CASES = [(BF16, *c) for c in CASES] + [(F32, *c) for c in CASES + F32_CASES]
 
 
 @pytest.mark.parametrize(
-    "q_len,seq_len,kv_heads,ratio,head_dim,block_size",
-    CASES,
-    ids=[f"q{c[0]}-ctx{c[1]}-kvh{c[2]}-g{c[3]}-d{c[4]}-bs{c[5]}" for c in CASES],
+    "dtype,q_len,seq_len,kv_heads,ratio,head_dim,block_size",
+    DTYPE_CASES,
+    ids=[
+        f"{str(c[0])[6:]}-q{c[1]}-ctx{c[2]}-kvh{c[3]}-g{c[4]}-d{c[5]}-bs{c[6]}" for c in DTYPE_CASES
+    ],
 )
 def test_prefill_matches_dense_softmax_and_sdpa(
-    q_len, seq_len, kv_heads, ratio, head_dim, block_size
+    dtype, q_len, seq_len, kv_heads, ratio, head_dim, block_size
 ):
-    _need_amx()
+    _need_kernel(dtype)
     query, k, v, table = _case(q_len * seq_len, q_len, seq_len, kv_heads, ratio, head_dim,
-                               block_size)  # fmt: skip
+                               block_size, dtype=dtype)  # fmt: skip
     scale = head_dim**-0.5
     got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+    assert got.dtype == dtype
     dense = dense_attention(
         query, contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len), scale
     )
-    torch.testing.assert_close(got.double(), dense, **TOLERANCE[BF16])
+    torch.testing.assert_close(got.double(), dense, **CLOSE[dtype])
     sdpa = reference.prefill_attention(query, k, v, table, seq_len, scale)
-    torch.testing.assert_close(got, sdpa, **TOLERANCE[BF16])
+    torch.testing.assert_close(got, sdpa, **TOLERANCE[dtype])
 
 
-def test_scores_that_keep_rising_rescale_exactly():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_scores_that_keep_rising_rescale_exactly(dtype):
     """Keys growing along the sequence (key p scaled by 1 + p / 20) make the scores' range grow
     to hundreds of nats, so the running max passes its slack again and again: every rescale
     must keep the result a softmax (no overflow, no stale-max bias)."""
-    _need_amx()
-    query, k, v, table = _case(7, 64, 700, 1, 3, 64, 16, ramp=0.05)
+    _need_kernel(dtype)
+    query, k, v, table = _case(7, 64, 700, 1, 3, 64, 16, ramp=0.05, dtype=dtype)
     scale = 64**-0.5
     got = cpu_prefill.prefill_attention(query, k, v, table, 700, scale)
     assert torch.isfinite(got.float()).all()
     dense = dense_attention(
         query, contiguous_context(k, table, 700), contiguous_context(v, table, 700), scale
     )
-    torch.testing.assert_close(got.double(), dense, **TOLERANCE[BF16])
+    # Scores of hundreds of nats carry float32's rounding into every probability (SDPA's float32
+    # error here is the kernel's, 3.5e-5): the looser float32 bound.
+    torch.testing.assert_close(got.double(), dense, **TOLERANCE[dtype])
 
 
-def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice(dtype):
     """The model's query is a view of the fused qkv projection (token stride > heads * D) and
     the result goes into rows of the step's output tensor."""
-    _need_amx()
+    _need_kernel(dtype)
     q_len, heads, kv_heads, d = 20, 6, 2, 64
-    query, k, v, table = _case(3, q_len, 50, kv_heads, heads // kv_heads, d, 16)
-    qkv = torch.zeros(q_len, (heads + 2 * kv_heads) * d, dtype=BF16)
+    query, k, v, table = _case(3, q_len, 50, kv_heads, heads // kv_heads, d, 16, dtype=dtype)
+    qkv = torch.zeros(q_len, (heads + 2 * kv_heads) * d, dtype=dtype)
     qkv[:, : heads * d] = query.reshape(q_len, -1)
     strided = qkv[:, : heads * d].view(q_len, heads, d)
-    out = torch.full((q_len + 5, heads, d), 7.0, dtype=BF16)
+    out = torch.full((q_len + 5, heads, d), 7.0, dtype=dtype)
     cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=out[5:])
-    assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=BF16))  # untouched
+    assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=dtype))  # untouched
     want = reference.prefill_attention(query, k, v, table, 50, 0.125)
-    torch.testing.assert_close(out[5:], want, **TOLERANCE[BF16])
+    torch.testing.assert_close(out[5:], want, **TOLERANCE[dtype])
     # A destination whose heads are not packed per token is written through a packed buffer.
-    heads_major = torch.zeros(heads, q_len, d, dtype=BF16).transpose(0, 1)
+    heads_major = torch.zeros(heads, q_len, d, dtype=dtype).transpose(0, 1)
     got = cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=heads_major)
     assert got is heads_major
-    torch.testing.assert_close(heads_major, want, **TOLERANCE[BF16])
+    torch.testing.assert_close(heads_major, want, **TOLERANCE[dtype])
 
 
-def _mixed_batch(dtype=BF16, block_size=16):
+def _mixed_batch(dtype=BF16, block_size=16, activations=BF16):
     """Two decodes then two prefills (one over cached context) in one step."""
     gen = torch.Generator().manual_seed(11)
     lens, query_lens = [30, 18, 40, 25], [1, 1, 40, 9]
-    case = paged_case(gen, lens, block_size, 2, 64, BF16)
+    case = paged_case(gen, lens, block_size, 2, 64, activations)
     meta = attention_metadata(case, query_lens, num_decodes=2, block_size=block_size)
     k, v = head_major(case.k_cache).to(dtype), head_major(case.v_cache).to(dtype)
-    tokens = torch.randn((sum(query_lens), 6, 64), generator=gen).to(BF16)
+    tokens = torch.randn((sum(query_lens), 6, 64), generator=gen).to(activations)
     return tokens, k, v, meta
 
 
@@ -135,22 +152,23 @@ def _count_kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_dispatch_runs_bf16_prefills_on_the_kernel(monkeypatch):
-    _need_amx()
+@pytest.mark.parametrize("dtype,block_size", [(BF16, 16), (F32, 16), (F32, 8)])
+def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, dtype, block_size):
+    _need_kernel(dtype)
     calls = _count_kernel_calls(monkeypatch)
-    tokens, k, v, meta = _mixed_batch()
+    tokens, k, v, meta = _mixed_batch(dtype, block_size, activations=dtype)
     got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
     assert calls == [40, 9]  # one call per prefill, none for the decodes
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
-    torch.testing.assert_close(got, want, **TOLERANCE[BF16])
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("reason", ["fp8 cache", "8-token blocks", "kernels off"])
+@pytest.mark.parametrize("reason", ["fp8 cache", "bf16 8-token blocks", "kernels off"])
 def test_what_the_kernel_does_not_take_stays_on_sdpa(monkeypatch, reason):
     calls = _count_kernel_calls(monkeypatch)
     if reason == "fp8 cache":
         tokens, k, v, meta = _mixed_batch(dtype=torch.float8_e4m3fn)
-    elif reason == "8-token blocks":
+    elif reason == "bf16 8-token blocks":
         tokens, k, v, meta = _mixed_batch(block_size=8)
     else:
         monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
