@@ -1,7 +1,7 @@
 """The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_prefill_f32.c,
-cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c and cpu_decode_step.c (with their
-shared headers cpu_math.h, cpu_amx.h, cpu_cache.h and cpu_entry_points.h), built into one shared
-object.
+cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c, cpu_gemm_f32.c and cpu_decode_step.c
+(with their shared headers cpu_math.h, cpu_amx.h, cpu_cache.h and cpu_entry_points.h), built
+into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -38,6 +38,7 @@ _SOURCE_NAMES = (
     "cpu_elementwise.c",
     "cpu_argmax.c",
     "cpu_gemm.c",
+    "cpu_gemm_f32.c",
     "cpu_decode_step.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
@@ -84,6 +85,9 @@ SIGNATURES: dict[str, list[type]] = {
     # out_stride, m, n, k, num_threads
     "kvfleet_linear_amx_bf16": [_p, _i64, _i, _p, _i, _p, _f, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "kvfleet_linear_amx": [],
+    # x, x_stride, w, bias, out, out_stride, m, n, k, num_threads
+    "kvfleet_linear_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    "kvfleet_linear_f32_avx512": [],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
     # table_stride, seq_lens, allow_amx, num_threads
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],

@@ -1,7 +1,7 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
-(cpu_attention, cpu_prefill, cpu_cache, cpu_elementwise, cpu_argmax) and prepacked bf16 GEMMs
-(cpu_linear: oneDNN's, and cpu_gemm's AMX kernel for decode-sized steps) where they take the
-inputs, else the torch reference.
+(cpu_attention, cpu_prefill, cpu_cache, cpu_elementwise, cpu_argmax), prepacked bf16 GEMMs
+(cpu_linear: oneDNN's, and cpu_gemm's AMX kernel for decode-sized steps) and float32 GEMMs of
+decode-sized steps (cpu_gemm_f32) where they take the inputs, else the torch reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -20,6 +20,7 @@ from kvfleet.kernels import (
     cpu_decode_step,
     cpu_elementwise,
     cpu_gemm,
+    cpu_gemm_f32,
     cpu_linear,
     cpu_prefill,
     reference,
@@ -103,9 +104,12 @@ def linear(
     weight: torch.Tensor | cpu_linear.PackedLinear,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned."""
+    """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned. float32
+    decode-sized steps on CPU run kvfleet's AVX-512 kernel (`cpu_gemm_f32`)."""
     if isinstance(weight, cpu_linear.PackedLinear):
         return cpu_linear.linear(x, weight, bias)
+    if cpu_gemm_f32.takes(x, weight, bias):
+        return cpu_gemm_f32.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,63 @@
+"""float32 projections of decode-sized steps on AVX-512 (kernels/cpu_gemm_f32.c), reading the
+plain [out_features, in_features] weight in place: where float32 is the CPU default (no
+AVX512-BF16), MKL's GEMM behind F.linear repacks the weight on every call, which at a few dozen
+rows costs as much as the multiply. Larger steps stay on F.linear, near the machine's float32
+peak there. Same numbers up to float32 summation order."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from kvfleet.kernels import cpu_library
+
+# Row counts this kernel takes from F.linear. 30 layers' projections on a 2-core AVX-512 host:
+# 1.13-1.23x F.linear at 4-32 rows, even at 64, slower from 96 (MKL nears the float32 peak)
+# and at 1-2 rows (MKL's GEMV streams the weight faster). Paired on every step of a run capped
+# at 32 sequences: 4-16-row steps took 0.77x the time, 17-32-row steps 0.95x.
+MIN_ROWS, MAX_ROWS = 4, 48
+
+
+@functools.cache
+def _built(lib: object) -> bool:
+    # Keyed by the loaded library: a reloaded one (tests clear library()'s cache) asks again.
+    return bool(lib.kvfleet_linear_f32_avx512())
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the C library builds, with AVX-512."""
+    return cpu_library.available() and _built(cpu_library.library())
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear(x, weight, bias)` runs on this kernel: float32 CPU tensors, a contiguous
+    2-D weight, x's last dimension contiguous, MIN_ROWS to MAX_ROWS rows."""
+    if not (
+        x.dtype == weight.dtype == torch.float32
+        and x.device.type == weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.shape[-1] == weight.shape[1]
+        and x.stride(-1) == 1
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    ):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return MIN_ROWS <= rows <= MAX_ROWS and available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 x [..., in_features]; callers check `takes`."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows, (n, k) = flat.shape[0], weight.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    status = cpu_library.library().kvfleet_linear_f32(
+        flat.data_ptr(), flat.stride(0), weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(
+            f"float32 linear kernel failed with status {status} for x {tuple(x.shape)}"
+        )
+    return out.view(*x.shape[:-1], n)

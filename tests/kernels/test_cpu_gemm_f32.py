@@ -1,0 +1,88 @@
+"""The float32 decode-step GEMM (kernels/cpu_gemm_f32.c) against a float64 product, and the
+dispatch that routes float32 steps of MIN_ROWS to MAX_ROWS rows to it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import cpu_flags
+from kvfleet.kernels import cpu_gemm_f32, dispatch
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+
+
+def _need_kernel():
+    if not cpu_gemm_f32.available():
+        pytest.skip("no AVX-512 here (test_runs_wherever_the_cpu_has_avx512 checks which)")
+
+
+def test_runs_wherever_the_cpu_has_avx512():
+    assert cpu_gemm_f32.available() == ("avx512f" in cpu_flags())
+
+
+def assert_one_dot_rounding(got, x, w, bias=None):
+    """Every element within 2^-18 of sum |x||w| (+ |bias|) of the exact result: float32
+    summation in any order stays far inside; a wrong or missing term does not."""
+    b = bias.double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    exact = x.double() @ w.double().T + b
+    bound = (x.double().abs() @ w.double().abs().T + b.abs()) * 2**-18 + 1e-30
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+# Rows: the smallest taken, a partial 4-row tile, a decode batch, the largest taken. Columns:
+# one, a partial 4-column tile, the bundled model's qkv and gate/up. K: one (all tail), a
+# partial 16-wide step, the bundled model's 576 and 1536.
+@pytest.mark.parametrize("rows", [2, 7, 32, cpu_gemm_f32.MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(1, 1), (6, 17), (960, 576), (576, 1536), (3072, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_exact_product(rows, n, k, with_bias):
+    _need_kernel()
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    assert_one_dot_rounding(cpu_gemm_f32.linear(x, w, bias), x, w, bias)
+
+
+def test_reads_strided_and_batched_inputs():
+    """The model's q is a column slice of the fused qkv rows; an input may carry batch dims."""
+    _need_kernel()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=gen)
+    wide = torch.randn(9, 200, generator=gen)
+    x = wide[:, 8:72]  # row stride 200
+    assert_one_dot_rounding(cpu_gemm_f32.linear(x, w), x, w)
+    batched = torch.randn(2, 3, 64, generator=gen)
+    got = cpu_gemm_f32.linear(batched, w)
+    assert got.shape == (2, 3, 40)
+    assert_one_dot_rounding(got.reshape(6, 40), batched.reshape(6, 64), w)
+
+
+def _calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = cpu_gemm_f32.linear
+    monkeypatch.setattr(
+        cpu_gemm_f32, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+    )
+    return calls
+
+
+def test_dispatch_routes_decode_sized_float32_steps(monkeypatch):
+    _need_kernel()
+    calls = _calls(monkeypatch)
+    w = torch.randn(64, 32)
+    lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
+    for rows in (lo - 1, lo, hi, hi + 1):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
+    assert calls == [lo, hi]  # one row and past MAX_ROWS stay on F.linear
+    dispatch.linear(torch.randn(8, 32).to(torch.bfloat16), w.to(torch.bfloat16))
+    dispatch.linear(torch.randn(8, 32), w.t().contiguous().t())  # a transposed weight view
+    assert calls == [lo, hi]
+
+
+def test_disabled_kernels_keep_f_linear(monkeypatch):
+    monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
+    calls = _calls(monkeypatch)
+    x, w = torch.randn(8, 32), torch.randn(64, 32)
+    assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
+    assert calls == []
