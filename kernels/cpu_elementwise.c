@@ -163,3 +163,13 @@ int kvfleet_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t row
     }
     return OK;
 }
+
+/* 1 when the library was built for AVX-512, else 0: what the float32 prefill-attention and GEMM
+ * kernels need (their entry points answer ERR_NO_AVX512 without it). */
+int kvfleet_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}

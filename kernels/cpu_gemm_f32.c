@@ -86,12 +86,3 @@ int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const f
     return OK;
 #endif
 }
-
-/* 1 when this build has the AVX-512 kernel, else 0. */
-int kvfleet_linear_f32_avx512(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}

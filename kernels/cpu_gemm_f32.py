@@ -6,8 +6,6 @@ peak there. Same numbers up to float32 summation order."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from kvfleet.kernels import cpu_library
 
@@ -18,15 +16,9 @@ from kvfleet.kernels import cpu_library
 MIN_ROWS, MAX_ROWS = 4, 48
 
 
-@functools.cache
-def _built(lib: object) -> bool:
-    # Keyed by the loaded library: a reloaded one (tests clear library()'s cache) asks again.
-    return bool(lib.kvfleet_linear_f32_avx512())
-
-
 def available() -> bool:
     """Whether the kernel runs here: the C library builds, with AVX-512."""
-    return cpu_library.available() and _built(cpu_library.library())
+    return cpu_library.avx512()
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

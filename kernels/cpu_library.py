@@ -64,7 +64,6 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_prefill_attention_amx": [],
     # the same arguments, float32 throughout
     "kvfleet_prefill_attention_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
-    "kvfleet_prefill_attention_f32_avx512": [],
     # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
     # head_dim, block_size, num_blocks, elem_size
     "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],
@@ -79,6 +78,7 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_rotary_and_cache": [_p, _i64, _p, _i64, _i, _p, _i64, _p, _i64, _i, _i, _i, _p, _i64, _i64, _p, _p, _p, _i64, _i, _i, _i],
     # x, x_stride, out, rows, d, io_dtype, num_threads
     "kvfleet_silu_and_mul": [_p, _i64, _p, _i64, _i, _i, _i],
+    "kvfleet_avx512": [],
     # x, x_stride, rows, cols, out, num_threads
     "kvfleet_argmax_f32": [_p, _i64, _i64, _i64, _p, _i],
     # x, x_stride, prologue, residual, has_residual, norm_weight, eps, packed, bias, out,
@@ -87,7 +87,6 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_linear_amx": [],
     # x, x_stride, w, bias, out, out_stride, m, n, k, num_threads
     "kvfleet_linear_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
-    "kvfleet_linear_f32_avx512": [],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
     # table_stride, seq_lens, allow_amx, num_threads
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
@@ -158,3 +157,15 @@ def available() -> bool:
     if os.environ.get("KVFLEET_CPU_KERNELS", "1") == "0":
         return False
     return library() is not None
+
+
+def avx512() -> bool:
+    """Whether the C kernels run here and were built for AVX-512 (the float32 prefill and
+    GEMM kernels need it)."""
+    return available() and _built_for_avx512(library())
+
+
+@functools.cache
+def _built_for_avx512(lib: ctypes.CDLL) -> bool:
+    # Keyed by the loaded library: a reloaded one (tests clear library()'s cache) asks again.
+    return bool(lib.kvfleet_avx512())

@@ -34,7 +34,7 @@ from kvfleet.kernels import cpu_features, cpu_gemm
 
 
 @functools.cache
-def _ops_present() -> bool:
+def _packs_bf16() -> bool:
     """oneDNN's packed ops are in this torch build and the CPU runs bf16 natively. Where oneDNN
     only emulates bf16 (AVX-512 without AVX512-BF16 or AMX), the packed GEMM measured 5x slower
     than `F.linear` on a plain weight at one row and sums in another order, so weights stay
@@ -51,7 +51,7 @@ def _ops_present() -> bool:
 
 def available() -> bool:
     """Whether bf16 weights can be prepacked on this machine and build."""
-    return os.environ.get("KVFLEET_CPU_KERNELS", "1") != "0" and _ops_present()
+    return os.environ.get("KVFLEET_CPU_KERNELS", "1") != "0" and _packs_bf16()
 
 
 def supports(weight: torch.Tensor) -> bool:

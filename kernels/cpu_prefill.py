@@ -21,18 +21,13 @@ def _amx(lib: object) -> bool:
     return bool(lib.kvfleet_prefill_attention_amx())
 
 
-@functools.cache
-def _avx512(lib: object) -> bool:
-    return bool(lib.kvfleet_prefill_attention_f32_avx512())
-
-
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `dtype`'s kernel can run here: the C library builds, and the CPU grants AMX tiles
     (bf16) or the build has AVX-512 (float32)."""
     if not cpu_library.available():
         return False
     if dtype == torch.float32:
-        return _avx512(cpu_library.library())
+        return cpu_library.avx512()
     return dtype == torch.bfloat16 and _amx(cpu_library.library())
 
 

@@ -216,12 +216,3 @@ int kvfleet_prefill_attention_f32(const float *query, int64_t q_stride, float *o
     return status;
 #endif
 }
-
-/* 1 when this build has the AVX-512 kernel, else 0. */
-int kvfleet_prefill_attention_f32_avx512(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}

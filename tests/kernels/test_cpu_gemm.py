@@ -114,7 +114,7 @@ def test_dispatch_sends_decode_rows_to_amx_and_the_rest_to_onednn(monkeypatch, r
     _assert_one_rounding(got, _bf16_exact(x, w, None))
 
 
-@pytest.mark.skipif(not cpu_linear._ops_present(), reason="bf16 weights are not packed here")
+@pytest.mark.skipif(not cpu_linear._packs_bf16(), reason="bf16 weights are not packed here")
 def test_shapes_the_kernel_does_not_take_stay_on_onednn():
     """Output features must pair up into 32-column units; others keep only oneDNN's layout."""
     w = torch.randn(48, 64).to(BF16)

@@ -12,7 +12,7 @@ BF16 = torch.bfloat16
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 packs_bf16 = pytest.mark.skipif(
-    not cpu_linear._ops_present(),
+    not cpu_linear._packs_bf16(),
     reason="no oneDNN bf16 GEMM in this build, or the CPU only emulates bf16",
 )
 
@@ -64,9 +64,9 @@ def test_other_dtypes_keep_the_plain_weight(dtype):
 def emulated_bf16(monkeypatch):
     """A CPU without AVX512-BF16 or AMX (whatever this one has)."""
     monkeypatch.setattr(cpu_features, "native_bf16", lambda: False)
-    cpu_linear._ops_present.cache_clear()
+    cpu_linear._packs_bf16.cache_clear()
     yield
-    cpu_linear._ops_present.cache_clear()
+    cpu_linear._packs_bf16.cache_clear()
 
 
 def test_weights_stay_plain_where_bf16_is_emulated(emulated_bf16):
