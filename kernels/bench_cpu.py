@@ -11,7 +11,11 @@ intermediate 1536, vocab 49152, 30 layers, bf16).
 - projections: a step's GEMMs (30 layers' distinct qkv, o, gate_up and down weights, then the
   LM head) at 1 to 2048 rows, the AMX kernel (`cpu_gemm`) against oneDNN on its prepacked
   weight (`cpu_linear`), both timed on every row count to show where each wins (`kvfleet bench
-  gemm-rows` asks the same of a real run's steps).
+  gemm-rows` asks the same of a real run's steps);
+- float32 (the CPU default without AVX512-BF16), where the build has AVX-512: prefill attention
+  (`cpu_prefill`'s float32 kernel) against SDPA, a step's projections on `cpu_gemm_f32` against
+  F.linear (MKL) at 1 to 128 rows, and one layer's RMSNorm, rotary + cache write and
+  SiLU-and-mul in C against torch's ops.
 
 Every path's output is checked against the torch reference before it is timed (exit code 1 on a
 mismatch). Times are the minimum over `--iters` calls (this host's speed drifts; the minimum is
@@ -38,6 +42,11 @@ HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
 GEMM_ROWS = (1, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 GEMM_LAYERS = 30  # distinct weights per timed step: 212 MB, as the model streams them
 VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, float32 accumulation in all
+F32_VERIFY_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+# The standard workload's median prompt first, then the bf16 shapes.
+F32_PREFILL_SHAPES = ((272, 272), *PREFILL_SHAPES)
+F32_GEMM_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+F32_ELEMENTWISE_ROWS = (32, 2048)  # a serving batch's decode step, a full prefill step
 
 
 class KernelMismatch(AssertionError):
@@ -80,6 +89,17 @@ class GemmRow:
     # the norm and gate as separate calls, then fused into the GEMMs' input packing.
     separate_ops_ms: float | None = None
     fused_ops_ms: float | None = None
+
+
+@dataclass(slots=True)
+class Float32Row:
+    """A float32 kernel against the torch path it replaces, on one shape."""
+
+    shape: str  # e.g. "q=272 ctx=272" or "rows=32"
+    torch_ms: float
+    kernel_ms: float
+    speedup: float
+    kernel_tflops: float | None  # where the work is matmul FLOPs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -130,15 +150,16 @@ def alternating_min_ms(calls: list[Callable[[], object]], iters: int) -> list[fl
     return [b * 1e3 for b in best]
 
 
-def _verify(torch, name: str, got, want) -> None:
+def _verify(torch, name: str, got, want, tolerance=VERIFY_TOLERANCE) -> None:
     try:
-        torch.testing.assert_close(got.float(), want.float(), **VERIFY_TOLERANCE)
+        torch.testing.assert_close(got.float(), want.float(), **tolerance)
     except AssertionError as exc:
         raise KernelMismatch(f"{name}: disagrees with the torch reference\n{exc}") from None
 
 
-def _paged_cache(torch, lens: list[int], gen, shuffled: bool = True):
-    """Head-major bf16 K/V caches holding sequences of `lens` tokens, and their block tables:
+def _paged_cache(torch, lens: list[int], gen, shuffled: bool = True, dtype=None):
+    """Head-major K/V caches (bf16 unless `dtype`) holding sequences of `lens` tokens, and their
+    block tables:
     blocks in shuffled order, or each sequence's blocks consecutive in memory (as a prompt's
     blocks are, allocated together; the standard workload's block tables are 75-97% consecutive
     neighbours)."""
@@ -146,10 +167,11 @@ def _paged_cache(torch, lens: list[int], gen, shuffled: bool = True):
 
     blocks = [-(-n // BLOCK_SIZE) for n in lens]
     num_blocks = sum(blocks)
+    dtype = dtype or torch.bfloat16
     k, v = reference.allocate_kv_cache(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                       torch.bfloat16, "cpu", head_major=True)  # fmt: skip
-    k.copy_(torch.randn(k.shape, generator=gen).to(torch.bfloat16))
-    v.copy_(torch.randn(v.shape, generator=gen).to(torch.bfloat16))
+                                       dtype, "cpu", head_major=True)  # fmt: skip
+    k.copy_(torch.randn(k.shape, generator=gen).to(dtype))
+    v.copy_(torch.randn(v.shape, generator=gen).to(dtype))
     order = (
         torch.randperm(num_blocks, generator=gen) if shuffled else torch.arange(num_blocks)
     ).to(torch.int32)
@@ -183,13 +205,17 @@ def prefill_row(torch, q_len: int, ctx: int, iters: int) -> PrefillRow:
 
         _verify(torch, f"prefill q={q_len} ctx={ctx} (AMX)", amx(), ref())
         amx_ms = min_ms(amx, iters)
-        # q . k and p . v over the visible (causal) pairs, 2 FLOPs per multiply-add.
-        pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) / 2
-        tflops = 4 * NUM_HEADS * HEAD_DIM * pairs / (amx_ms * 1e-3) / 1e12
+        tflops = _attention_flops(q_len, ctx) / (amx_ms * 1e-3) / 1e12
     return PrefillRow(
         q_len, ctx, reference_ms, amx_ms,
         reference_ms / amx_ms if amx_ms else None, tflops,
     )  # fmt: skip
+
+
+def _attention_flops(q_len: int, ctx: int) -> float:
+    """q . k and p . v over the visible (causal) pairs, 2 FLOPs per multiply-add."""
+    pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) / 2
+    return 4 * NUM_HEADS * HEAD_DIM * pairs
 
 
 def decode_row(
@@ -242,11 +268,9 @@ def decode_row(
     )  # fmt: skip
 
 
-def gemm_weights(torch, layers: int):
-    """`layers` layers' projection weights and an LM head, each packed for `dispatch.linear`,
-    with their plain [out, in] shapes."""
-    from kvfleet.kernels import cpu_linear
-
+def step_weights(torch, layers: int, dtype) -> list:
+    """A step's plain [out, in] weights: `layers` layers' qkv, o, gate_up and down, then the LM
+    head."""
     gen = torch.Generator().manual_seed(2)
     qkv = (HIDDEN + 2 * NUM_KV_HEADS * HEAD_DIM, HIDDEN)
     layer = [
@@ -256,7 +280,15 @@ def gemm_weights(torch, layers: int):
         (HIDDEN, INTERMEDIATE),
     ]
     shapes = layer * layers + [(VOCAB, HIDDEN)]
-    plain = [(torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16) for shape in shapes]
+    return [(torch.randn(shape, generator=gen) * 0.05).to(dtype) for shape in shapes]
+
+
+def gemm_weights(torch, layers: int):
+    """`layers` layers' projection weights and an LM head, each packed for `dispatch.linear`,
+    with their plain [out, in] shapes."""
+    from kvfleet.kernels import cpu_linear
+
+    plain = step_weights(torch, layers, torch.bfloat16)
     return plain, [cpu_linear.pack(w) for w in plain]
 
 
@@ -341,6 +373,115 @@ def _layer_ops_ms(torch, rows: int, layers_packed, iters: int) -> tuple[float, f
     return separate_ms, fused_ms
 
 
+def float32_prefill_row(torch, q_len: int, ctx: int, iters: int) -> Float32Row:
+    """One prefill shape in float32: the AVX-512 kernel against the reference's SDPA."""
+    from kvfleet.kernels import cpu_prefill, reference
+
+    gen = torch.Generator().manual_seed(q_len * 7919 + ctx)
+    k, v, tables = _paged_cache(torch, [ctx], gen, dtype=torch.float32)
+    q = torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=gen)
+    scale = HEAD_DIM**-0.5
+    mask = reference.context_mask(q_len, ctx, torch.float32, q.device) if ctx > q_len else None
+
+    def ref():
+        return reference.prefill_attention(q, k, v, tables[0], ctx, scale, mask)
+
+    def kernel():
+        return cpu_prefill.prefill_attention(q, k, v, tables[0], ctx, scale)
+
+    name = f"float32 prefill q={q_len} ctx={ctx}"
+    _verify(torch, name, kernel(), ref(), F32_VERIFY_TOLERANCE)
+    torch_ms, kernel_ms = alternating_min_ms([ref, kernel], iters)
+    tflops = _attention_flops(q_len, ctx) / (kernel_ms * 1e-3) / 1e12
+    return Float32Row(f"q={q_len} ctx={ctx}", torch_ms, kernel_ms, torch_ms / kernel_ms, tflops)
+
+
+def float32_gemm_row(torch, rows: int, weights: list, iters: int) -> Float32Row:
+    """A step's projections at `rows` rows in float32: `cpu_gemm_f32` (called directly, also
+    outside the rows dispatch routes to it, to show the crossovers) against F.linear."""
+    from kvfleet.kernels import cpu_gemm_f32
+
+    gen = torch.Generator().manual_seed(rows)
+    inputs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
+    for w in weights[:4] + weights[-1:]:
+        x = inputs[w.shape[1]]
+        got, want = cpu_gemm_f32.linear(x, w), torch.nn.functional.linear(x, w)
+        _verify(torch, f"float32 projection {tuple(w.shape)} at {rows} rows", got, want,
+                F32_VERIFY_TOLERANCE)  # fmt: skip
+
+    def step(fn):
+        return lambda: [fn(inputs[w.shape[1]], w) for w in weights]
+
+    mkl_ms, kernel_ms = alternating_min_ms(
+        [step(torch.nn.functional.linear), step(cpu_gemm_f32.linear)], iters
+    )
+    flops = 2 * rows * sum(w.numel() for w in weights)
+    return Float32Row(
+        f"rows={rows}", mkl_ms, kernel_ms, mkl_ms / kernel_ms, flops / (kernel_ms * 1e-3) / 1e12
+    )
+
+
+def float32_elementwise_row(torch, rows: int, iters: int) -> Float32Row:
+    """One layer's RMSNorm (with residual), rotary + K/V cache write and SiLU-and-mul in float32:
+    the C kernels against torch's ops (the reference rotary, the C cache write)."""
+    from kvfleet.kernels import cpu_cache, cpu_elementwise, reference
+
+    gen = torch.Generator().manual_seed(rows + 3)
+    x = torch.randn(rows, HIDDEN, generator=gen)
+    norm_w = 1 + 0.1 * torch.randn(HIDDEN, generator=gen)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    qkv = torch.randn(rows, q_size + 2 * kv_size, generator=gen)
+    gate_up = torch.randn(rows, 2 * INTERMEDIATE, generator=gen)
+    cos_sin = torch.randn(4096, HEAD_DIM, generator=gen)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    k_cache, v_cache = reference.allocate_kv_cache(-(-rows // BLOCK_SIZE), BLOCK_SIZE,
+                                                   NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu",
+                                                   head_major=True)  # fmt: skip
+    slots = torch.arange(rows)
+
+    def views(t):
+        return (t[:, :q_size].view(rows, NUM_HEADS, HEAD_DIM),
+                t[:, q_size : q_size + kv_size].view(rows, NUM_KV_HEADS, HEAD_DIM),
+                t[:, q_size + kv_size :].view(rows, NUM_KV_HEADS, HEAD_DIM))  # fmt: skip
+
+    # Rotation is in place: each call works on a fresh copy of the step's qkv rows.
+    def torch_ops():
+        q, k, v = views(qkv.clone())
+        normed, _ = reference.rms_norm(x, norm_w, 1e-5, residual)
+        q, k = reference.rotary_embedding(positions, q, k, cos_sin)
+        cpu_cache.reshape_and_cache(k, v, k_cache, v_cache, slots)
+        return normed, q, reference.silu_and_mul(gate_up)
+
+    def kernels():
+        q, k, v = views(qkv.clone())
+        normed, _ = cpu_elementwise.rms_norm(x, norm_w, 1e-5, residual.clone())
+        q = cpu_elementwise.rotary_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+        return normed, q, cpu_elementwise.silu_and_mul(gate_up)
+
+    for name, got, want in zip(("RMSNorm", "rotary", "SiLU-and-mul"), kernels(), torch_ops(),
+                               strict=True):  # fmt: skip
+        _verify(torch, f"float32 {name} at {rows} rows", got, want, F32_VERIFY_TOLERANCE)
+    torch_ms, kernel_ms = alternating_min_ms([torch_ops, kernels], iters)
+    return Float32Row(f"rows={rows}", torch_ms, kernel_ms, torch_ms / kernel_ms, None)
+
+
+def float32_rows(torch, iters: int) -> dict:
+    """The float32 sections, or empty ones where the build has no AVX-512 (no kernel to time)."""
+    from kvfleet.kernels import cpu_library
+
+    if not cpu_library.avx512():
+        return {"prefill": [], "projections": [], "elementwise": []}
+    weights = step_weights(torch, GEMM_LAYERS, torch.float32)
+    return {
+        "prefill": [asdict(float32_prefill_row(torch, q, c, iters)) for q, c in F32_PREFILL_SHAPES],
+        "projections": [asdict(float32_gemm_row(torch, r, weights, iters)) for r in F32_GEMM_ROWS],
+        "elementwise": [
+            asdict(float32_elementwise_row(torch, r, iters)) for r in F32_ELEMENTWISE_ROWS
+        ],
+    }
+
+
 def read_gbps(torch, iters: int) -> float:
     """This machine's memory read rate: a float32 sum over 1 GiB (a bf16 sum is bound by its
     conversion, not by memory)."""
@@ -372,6 +513,7 @@ def measure(iters: int) -> dict:
             for shuffled in (True, False)
         ],
         "projections": gemm_rows(torch, iters),
+        "float32": float32_rows(torch, iters),
     }
 
 
@@ -432,4 +574,20 @@ def print_report(report: dict) -> None:
                 f"{_fmt(r['amx_ms'], '7.2f')} ({_fmt(r['amx_gbps'], '4.1f')}) "
                 f"{_fmt(r['amx_speedup'], '7.2f')}x {_fmt(r['separate_ops_ms'], '9.2f')} "
                 f"{_fmt(r['fused_ops_ms'], '7.2f')}"
+            )
+    f32 = report["float32"]
+    titles = {
+        "prefill": "float32 prefill attention, ms per layer: SDPA vs the AVX-512 kernel",
+        "projections": "float32 projections per step (30 layers + LM head), ms: F.linear (MKL) "
+        "vs cpu_gemm_f32",
+        "elementwise": "float32 RMSNorm + rotary/cache + SiLU-and-mul, one layer, ms: torch vs C",
+    }
+    for section, title in titles.items():
+        if not f32[section]:
+            continue
+        print(title)
+        for r in f32[section]:
+            print(
+                f"  {r['shape']:>16} {r['torch_ms']:>9.2f} {r['kernel_ms']:>9.2f} "
+                f"{r['speedup']:>6.2f}x  {_fmt(r['kernel_tflops'], '.3f')} TFLOP/s"
             )

@@ -9,10 +9,13 @@ from __future__ import annotations
 import torch
 from kvfleet.kernels import cpu_library
 
-# Row counts this kernel takes from F.linear. 30 layers' projections on a 2-core AVX-512 host:
-# 1.13-1.23x F.linear at 4-32 rows, even at 64, slower from 96 (MKL nears the float32 peak)
-# and at 1-2 rows (MKL's GEMV streams the weight faster). Paired on every step of a run capped
-# at 32 sequences: 4-16-row steps took 0.77x the time, 17-32-row steps 0.95x.
+# Row counts this kernel takes from F.linear. A step's projections (30 layers + LM head) on a
+# 2-core AVX-512 host: 1.16-1.37x F.linear at 4-16 rows, even at 32-64, slower from 96 (MKL
+# nears the float32 peak) and at 1-2 rows (MKL's GEMV streams the weight faster)
+# (`kvfleet bench cpu-kernels`, docs/bench-cpu-kernels-float32.json). On every step of real
+# runs (`kvfleet bench gemm-rows --dtype float32`): capped at 32 sequences, 1-16-row steps took
+# 0.85x the time and 17-32-row steps 0.95x; offline, 48 beat 32 on 33-64-row steps (0.978 vs
+# 0.993), and steps routed alike read 0.99-1.0 (docs/bench-gemm-rows-float32-*.json).
 MIN_ROWS, MAX_ROWS = 4, 48
 
 

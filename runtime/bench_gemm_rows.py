@@ -1,5 +1,7 @@
-"""`kvfleet bench gemm-rows`: where the AMX projection kernel should hand a step's GEMMs over to
-oneDNN (`cpu_gemm.MAX_ROWS`), measured on the steps of a real run rather than on one shape.
+"""`kvfleet bench gemm-rows`: where kvfleet's own projection kernel should hand a step's GEMMs
+over to the library one, measured on the steps of a real run rather than on one shape. In bf16
+that is the AMX kernel against oneDNN (`cpu_gemm.MAX_ROWS`); in float32, the AVX-512 kernel
+for decode-sized steps against MKL's F.linear (`cpu_gemm_f32.MAX_ROWS`).
 
 Runs the standard workload offline (as `bench throughput --baseline none`, same engine flags)
 and runs the model's forward of every step that has more rows than the lowest candidate once
@@ -10,7 +12,8 @@ rewrites the same slots of the KV cache, and the step keeps the last run's cache
 
 Reports, per candidate, the summed forward time of the compared steps, and per step its time
 over the first candidate's: the median and how many steps were faster, overall and by row
-count. CPU, bfloat16, with the AMX kernel only (elsewhere there is nothing to route).
+count. CPU only: bfloat16 where the AMX kernel runs, float32 where the AVX-512 one does
+(elsewhere there is nothing to route).
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ from typing import Any
 
 from kvfleet.runtime.config import add_engine_args, engine_config_from_args
 
-DEFAULT_CANDIDATES = "96,1024"
-# Row-count buckets of the report: decode batches, a prompt beside decodes, full prefill steps.
-BUCKETS = ((1, 255), (256, 511), (512, 1023), (1024, 2047), (2048, 1 << 30))
+# bf16: the AMX kernel's old and current limits. float32: none (the kernel needs 4 rows) and
+# the current limit.
+DEFAULT_CANDIDATES = {"bfloat16": "96,1024", "float32": "3,48"}
+# Row-count buckets of the report: decode batches (small, serving-sized, offline-sized), a
+# prompt beside decodes, full prefill steps.
+BUCKETS = (
+    (1, 16), (17, 32), (33, 64), (65, 255), (256, 511), (512, 1023), (1024, 2047), (2048, 1 << 30),
+)  # fmt: skip
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,8 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--candidates",
-        default=DEFAULT_CANDIDATES,
-        help=f"MAX_ROWS values to compare, the first the reference (default {DEFAULT_CANDIDATES})",
+        default=None,
+        help="MAX_ROWS values to compare, the first the reference (default: bf16 "
+        f"{DEFAULT_CANDIDATES['bfloat16']}, float32 {DEFAULT_CANDIDATES['float32']})",
     )
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--workload-seed", type=int, default=0)
@@ -62,12 +71,13 @@ def parse_candidates(text: str) -> list[int]:
 
 class PairedForward:
     """Stands in for the model's forward: steps with more rows than the lowest candidate run
-    once per candidate (rotating order) and are timed; the rest run once, untimed."""
+    once per candidate (rotating order) and are timed; the rest run once, untimed. `gemm` is
+    the kernel module whose MAX_ROWS the candidates set (default the AMX one)."""
 
-    def __init__(self, forward: Any, candidates: list[int]) -> None:
+    def __init__(self, forward: Any, candidates: list[int], gemm: Any = None) -> None:
         from kvfleet.kernels import cpu_gemm
 
-        self._gemm = cpu_gemm
+        self._gemm = gemm or cpu_gemm
         self._forward = forward
         self.candidates = candidates
         self.rows: list[int] = []
@@ -128,26 +138,39 @@ def _summary(ratios: list[float]) -> dict[str, Any]:
     }
 
 
-def measure(args: argparse.Namespace, candidates: list[int]) -> dict[str, Any]:
+def routed_kernel(device: Any, dtype: Any) -> Any:
+    """The kernel module whose MAX_ROWS routes this engine's projections, or RuntimeError."""
     import torch
-    from kvfleet.kernels import cpu_gemm
+    from kvfleet.kernels import cpu_gemm, cpu_gemm_f32
+
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError(f"needs --device cpu and bfloat16 or float32, got {device} {dtype}")
+    if dtype == torch.bfloat16:
+        if not cpu_gemm.available():
+            raise RuntimeError("no AMX GEMM on this machine or build: nothing to route in bf16")
+        return cpu_gemm
+    if not cpu_gemm_f32.available():
+        raise RuntimeError("no AVX-512 GEMM in this build: nothing to route in float32")
+    return cpu_gemm_f32
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     from kvfleet.runtime.bench_throughput import run_engine
     from kvfleet.runtime.bench_workload import standard_workload
     from kvfleet.runtime.engine import LLMEngine
 
-    if not cpu_gemm.available():
-        raise RuntimeError("no AMX GEMM on this machine or build: nothing to route")
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    if engine.device.type != "cpu" or engine.dtype != torch.bfloat16:
-        raise RuntimeError(f"needs --device cpu and bfloat16, got {engine.device} {engine.dtype}")
+    gemm = routed_kernel(engine.device, engine.dtype)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    candidates = parse_candidates(args.candidates or DEFAULT_CANDIDATES[dtype])
     workload = standard_workload(
         engine.tokenizer,
         args.num_prompts,
         args.workload_seed,
         vocab_size=engine.model_config.vocab_size,
     )
-    paired = PairedForward(engine.model.forward, candidates)
+    paired = PairedForward(engine.model.forward, candidates, gemm)
     engine.model.forward = paired  # an instance attribute: nn.Module.__call__ finds it first
     try:
         run = run_engine(engine, workload)
@@ -155,6 +178,8 @@ def measure(args: argparse.Namespace, candidates: list[int]) -> dict[str, Any]:
         del engine.model.forward
     return {
         "model": config.model,
+        "dtype": dtype,
+        "kernel": gemm.__name__.rsplit(".", 1)[-1],
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_prompts": len(workload),
@@ -166,14 +191,17 @@ def measure(args: argparse.Namespace, candidates: list[int]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        candidates = parse_candidates(args.candidates)
-        report = measure(args, candidates)
+        if args.candidates is not None:
+            parse_candidates(args.candidates)  # a bad flag is refused before the model loads
+        report = measure(args)
     except (ValueError, RuntimeError) as exc:
         print(f"kvfleet bench gemm-rows: {exc}", file=sys.stderr)
         return 1
+    candidates = report["candidates"]
     first = candidates[0]
     print(
-        f"model {report['model']}, max_num_seqs {report['max_num_seqs']}: "
+        f"model {report['model']} ({report['dtype']}, {report['kernel']}), "
+        f"max_num_seqs {report['max_num_seqs']}: "
         f"{report['steps_compared']} steps over {min(candidates)} rows, each run with "
         f"MAX_ROWS = {', '.join(map(str, candidates))}"
     )

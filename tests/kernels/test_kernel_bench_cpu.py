@@ -5,7 +5,16 @@ import json
 
 import pytest
 import torch
-from kvfleet.kernels import bench_cpu, cpu_attention, cpu_gemm, cpu_linear, cpu_prefill
+from kvfleet.kernels import (
+    bench_cpu,
+    cpu_attention,
+    cpu_elementwise,
+    cpu_gemm,
+    cpu_gemm_f32,
+    cpu_library,
+    cpu_linear,
+    cpu_prefill,
+)
 from kvfleet.runtime.cli import main
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
@@ -53,6 +62,9 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench_cpu, "DECODE_LAYERS", 1)
     monkeypatch.setattr(bench_cpu, "GEMM_LAYERS", 1)
     monkeypatch.setattr(bench_cpu, "GEMM_ROWS", (4,))
+    monkeypatch.setattr(bench_cpu, "F32_PREFILL_SHAPES", ((20, 50),))
+    monkeypatch.setattr(bench_cpu, "F32_GEMM_ROWS", (1, 7))
+    monkeypatch.setattr(bench_cpu, "F32_ELEMENTWISE_ROWS", (5,))
     monkeypatch.setattr(bench_cpu, "read_gbps", lambda torch, iters: 1.0)  # a 1 GiB read
     out = tmp_path / "k.json"
     assert main(["bench", "cpu-kernels", "--iters", "1", "--json", str(out)]) == 0
@@ -65,7 +77,45 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     ]
     # Projections are compared only where bf16 weights are packed (native bf16).
     assert [r["rows"] for r in report["projections"]] == ([4] if cpu_linear.available() else [])
+    # float32 kernels are timed wherever the build has AVX-512 (their precondition).
+    f32 = report["float32"]
+    if cpu_library.avx512():
+        assert [r["shape"] for r in f32["prefill"]] == ["q=20 ctx=50"]
+        assert [r["shape"] for r in f32["projections"]] == ["rows=1", "rows=7"]
+        assert [r["shape"] for r in f32["elementwise"]] == ["rows=5"]
+        row = f32["projections"][1]
+        assert row["speedup"] == pytest.approx(row["torch_ms"] / row["kernel_ms"])
+    else:
+        assert f32 == {"prefill": [], "projections": [], "elementwise": []}
     assert "prefill attention" in capsys.readouterr().out
+
+
+def _first_column_wrong(real):
+    """A GEMM whose first output column is garbage: the kind of bug a tile's edges make."""
+    return lambda x, w: real(x, w).index_fill_(-1, torch.tensor([0]), 9.0)
+
+
+def _eps_wrong(real):
+    return lambda x, w, eps, residual=None: real(x, w, eps * 1e4, residual)
+
+
+@pytest.mark.parametrize(
+    "module,name,break_it",
+    [(cpu_gemm_f32, "linear", _first_column_wrong), (cpu_elementwise, "rms_norm", _eps_wrong)],
+)
+def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module, name, break_it):
+    if not cpu_library.avx512():
+        pytest.skip("no AVX-512: the float32 kernels are not timed on this CPU")
+    monkeypatch.setattr(module, name, break_it(getattr(module, name)))
+    for shapes in ("F32_PREFILL_SHAPES", "PREFILL_SHAPES"):
+        monkeypatch.setattr(bench_cpu, shapes, ())
+    monkeypatch.setattr(bench_cpu, "F32_GEMM_ROWS", (7,))
+    monkeypatch.setattr(bench_cpu, "F32_ELEMENTWISE_ROWS", (5,))
+    monkeypatch.setattr(bench_cpu, "GEMM_LAYERS", 1)
+    monkeypatch.setattr(bench_cpu, "DECODE_LAYERS", 1)
+    monkeypatch.setattr(bench_cpu, "DECODE_SEQS", 2)
+    assert main(["bench", "cpu-kernels", "--iters", "1"]) == 1
+    assert "disagrees with the torch reference" in capsys.readouterr().err
 
 
 def test_rejects_zero_iterations(capsys):

@@ -1,6 +1,6 @@
 """`kvfleet bench gemm-rows` runs each large enough step's forward once per candidate hand-over
-point, in rotating order, keeps the last run's output, and reports the pairs; bad flags are
-refused by name."""
+point, in rotating order, keeps the last run's output, and reports the pairs, in bf16 (the AMX
+kernel) or float32 (the AVX-512 one); bad flags are refused by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_gemm
+from kvfleet.kernels import cpu_gemm, cpu_gemm_f32
 from kvfleet.runtime.bench_gemm_rows import PairedForward, parse_candidates
 from kvfleet.runtime.cli import main
 
@@ -80,3 +80,34 @@ def test_a_run_on_a_tiny_model_reports_every_step(tiny_llama_dir: Path, tmp_path
     assert sum(b["steps"] for b in ratios["by_rows"]) == report["steps_compared"]
     assert "median" in capsys.readouterr().out
     assert default == cpu_gemm.MAX_ROWS  # put back
+
+
+def test_pairs_set_the_kernel_module_they_are_given():
+    seen: list[int] = []
+    default = cpu_gemm_f32.MAX_ROWS
+    paired = PairedForward(lambda ids: seen.append(cpu_gemm_f32.MAX_ROWS), [3, 48], cpu_gemm_f32)
+    paired(torch.zeros(20))
+    assert seen == [3, 48] and default == cpu_gemm_f32.MAX_ROWS
+
+
+def test_refuses_a_dtype_with_nothing_to_route(tiny_llama_dir: Path, capsys):
+    argv = ["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--dtype", "float16"]
+    assert main(argv) == 1
+    assert "bfloat16 or float32" in capsys.readouterr().err
+
+
+def test_a_float32_run_routes_the_avx512_kernel(tiny_llama_dir: Path, tmp_path: Path):
+    if not cpu_gemm_f32.available():
+        pytest.skip(
+            "no AVX-512 here (tests/kernels/test_cpu_gemm_f32.py asserts where there must be)"
+        )
+    out, default = tmp_path / "rows.json", cpu_gemm_f32.MAX_ROWS
+    argv = ["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    argv += ["--num-prompts", "3", "--max-model-len", "1024", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert (report["dtype"], report["kernel"]) == ("float32", "cpu_gemm_f32")
+    assert report["candidates"] == [3, 48]  # the float32 default: none routed, then the limit
+    assert report["steps_compared"] > 0
+    assert sum(b["steps"] for b in report["ratios"]["48"]["by_rows"]) == report["steps_compared"]
+    assert default == cpu_gemm_f32.MAX_ROWS  # put back
