@@ -6,28 +6,40 @@
  * against 0.28 with 2048: at few rows it spends as long repacking the weight as multiplying
  * by it. A serving batch's decode steps are such steps.
  *
- * Here nothing is repacked. Both x's rows and W's rows are contiguous along K, so a micro-tile
- * of MR rows by NR output columns keeps MR x NR vector accumulators of 16 partial sums along K,
- * and one transpose-and-add tree (cpu_math.h's reduce16) turns the 16 of them into the tile's
- * 16 outputs at the end. Columns are the outer loop, split between threads: each W row is read
- * from memory once per call, while x (a few hundred KiB at most) stays in L2. Results differ
- * from MKL's by float32 summation order.
+ * Here the weight is never repacked, and each W row is read from memory once per call: columns
+ * are the outer loop, split between threads. Two forms, by row count:
+ * - Up to DOT_MAX_ROWS rows, dot form: a micro-tile of MR rows by NR columns keeps MR x NR
+ *   vector accumulators of 16 partial sums along K (x's and W's rows are both contiguous along
+ *   K), and one transpose-and-add tree (cpu_math.h's reduce16) turns them into the tile's 16
+ *   outputs. x's few rows stay in L1.
+ * - Above, rows in lanes: x is transposed once per call into xT [K, rows padded to 16], and a
+ *   panel of PR columns keeps MV x PR accumulators, each 16 rows of one column. Per k it loads
+ *   MV vectors of xT and broadcasts PR scalars of W straight from the weight rows, so no sums
+ *   need reducing and x's traffic from L2 is MV vectors per MV x PR FMAs; in the dot form it is
+ *   a vector per NR FMAs, which at 32 rows (x no longer in L1) held it to MKL's speed.
+ *   Each panel's rows are prefetched into L1 ahead of use and the next panel's into L2, since
+ *   PR interleaved row streams are more than the hardware prefetcher follows.
+ * Results differ from MKL's by float32 summation order.
  *
  * Layouts: x [m, k] with row stride x_stride elements; w [n, k] contiguous; bias [n] or NULL;
- * out [m, n] with row stride out_stride. Any m, n, k >= 1 (a partial last step along K is
- * masked; partial tiles repeat their last valid row or column and store only valid outputs).
+ * out [m, n] with row stride out_stride. Any m, n, k >= 1 (dot form: a partial last step along K
+ * is masked, partial tiles repeat their last valid row or column; rows in lanes: padded rows are
+ * zeros and a partial panel repeats its last column; only valid outputs are stored).
  */
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_math.h"
 
-enum { OK = 0, ERR_SHAPE = 1, ERR_NO_AVX512 = 3 };
+enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AVX512 = 3 };
 
 #define LANES 16
 #define NR 4 /* output columns per micro-tile */
 #define MR 4 /* rows per micro-tile: MR x NR = 16 accumulators, one reduce16 */
+#define DOT_MAX_ROWS 16 /* the dot form's last row count; measured in `kvfleet bench cpu-kernels` */
+#define PREFETCH_AHEAD 128 /* elements along a W row fetched into L1 ahead of use (8 lines) */
 
 #ifdef __AVX512F__
 /* One micro-tile: rows xr[0..MR) against weight rows wr[0..NR), each k long. The sums come
@@ -55,6 +67,86 @@ static inline __m512 tile(const float *const *xr, const float *const *wr, int64_
     }
     return reduce16(acc);
 }
+
+/* A panel of PR columns n0.. for the MV row vectors v0.. of xT (rows padded to mp): MV x PR
+ * accumulators, each holding 16 rows of one column. A macro per (MV, PR) so that the
+ * accumulators are registers: 24 of them leave room for the MV xT vectors and a broadcast. */
+#define ROWS_IN_LANES_PANEL(MV, PR)                                                             \
+    static void panel_##MV##x##PR(const float *xT, int64_t mp, int64_t v0, const float *w,     \
+                                  int64_t n0, int64_t n, int64_t k, const float *bias,         \
+                                  float *out, int64_t out_stride, int64_t m) {                 \
+        const float *wr[PR];                                                                   \
+        for (int j = 0; j < PR; j++) wr[j] = w + (n0 + j < n ? n0 + j : n - 1) * k;            \
+        /* The next panel's rows are contiguous: fetch a line of it per row and 16 k into L2, \
+         * which covers it exactly by the time this panel ends. */                             \
+        const char *next = (const char *)(w + (n0 + PR) * k), *end = (const char *)(w + n * k); \
+        __m512 acc[MV][PR];                                                                    \
+        _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                                  \
+            _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++) acc[v][j] = _mm512_setzero_ps(); \
+        const float *xp = xT + v0 * LANES;                                                     \
+        for (int64_t p = 0; p < k; p++, xp += mp) {                                            \
+            if ((p & (LANES - 1)) == 0) {                                                      \
+                _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                          \
+                    _mm_prefetch((const char *)(wr[j] + p + PREFETCH_AHEAD), _MM_HINT_T0);     \
+                const char *line = next + (p / LANES) * PR * 64;                               \
+                if (line + PR * 64 <= end)                                                     \
+                    _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                      \
+                        _mm_prefetch(line + j * 64, _MM_HINT_T1);                              \
+            }                                                                                  \
+            __m512 xv[MV];                                                                     \
+            _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                              \
+                xv[v] = _mm512_loadu_ps(xp + v * LANES);                                       \
+            _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++) {                            \
+                const __m512 wb = _mm512_set1_ps(wr[j][p]);                                    \
+                _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                          \
+                    acc[v][j] = _mm512_fmadd_ps(xv[v], wb, acc[v][j]);                         \
+            }                                                                                  \
+        }                                                                                      \
+        for (int v = 0; v < MV; v++) {                                                         \
+            float cols[PR][LANES];                                                             \
+            _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                              \
+                _mm512_storeu_ps(cols[j], acc[v][j]);                                          \
+            for (int r = 0; r < LANES && (v0 + v) * LANES + r < m; r++) {                      \
+                float *row = out + ((v0 + v) * LANES + r) * out_stride;                        \
+                for (int j = 0; j < PR && n0 + j < n; j++)                                     \
+                    row[n0 + j] = cols[j][r] + (bias ? bias[n0 + j] : 0.0f);                   \
+            }                                                                                  \
+        }                                                                                      \
+    }
+ROWS_IN_LANES_PANEL(1, 12)
+ROWS_IN_LANES_PANEL(2, 12)
+ROWS_IN_LANES_PANEL(3, 8)
+ROWS_IN_LANES_PANEL(4, 6)
+
+/* Rows in lanes for m > DOT_MAX_ROWS. Up to 4 row vectors run as one panel shape; more run as
+ * 2-vector passes (and a 1-vector tail) over each 12-column panel, which the first pass left
+ * in L1. */
+static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const float *bias,
+                         float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                         int num_threads) {
+    const int64_t mv = (m + LANES - 1) / LANES, mp = mv * LANES;
+    float *xT = aligned_alloc(64, (size_t)(k * mp) * sizeof(float));
+    if (!xT) return ERR_NOMEM;
+    for (int64_t p = 0; p < k; p++) {
+        for (int64_t r = 0; r < m; r++) xT[p * mp + r] = x[r * x_stride + p];
+        for (int64_t r = m; r < mp; r++) xT[p * mp + r] = 0.0f;
+    }
+    const int pr = mv == 3 ? 8 : mv == 4 ? 6 : 12;
+    const int64_t panels = (n + pr - 1) / pr;
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t pi = 0; pi < panels; pi++) {
+        const int64_t n0 = pi * pr;
+        if (mv == 3) panel_3x8(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
+        else if (mv == 4) panel_4x6(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
+        else {
+            int64_t v0 = 0;
+            for (; v0 + 2 <= mv; v0 += 2) panel_2x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
+            if (v0 < mv) panel_1x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
+        }
+    }
+    free(xT);
+    return OK;
+}
 #endif
 
 int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias,
@@ -66,6 +158,8 @@ int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const f
     return ERR_NO_AVX512;
 #else
     if (m < 1 || n < 1 || k < 1 || x_stride < k || out_stride < n) return ERR_SHAPE;
+    if (m > DOT_MAX_ROWS)
+        return rows_in_lanes(x, x_stride, w, bias, out, out_stride, m, n, k, num_threads);
     const int64_t col_tiles = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
     for (int64_t ct = 0; ct < col_tiles; ct++) {

@@ -1,8 +1,10 @@
 """float32 projections of decode-sized steps on AVX-512 (kernels/cpu_gemm_f32.c), reading the
 plain [out_features, in_features] weight in place: where float32 is the CPU default (no
 AVX512-BF16), MKL's GEMM behind F.linear repacks the weight on every call, which at a few dozen
-rows costs as much as the multiply. Larger steps stay on F.linear, near the machine's float32
-peak there. Same numbers up to float32 summation order."""
+rows costs as much as the multiply. Up to 16 rows the kernel sums along K in vectors (dot
+form); above, it transposes the few rows of x once and keeps 16 rows per vector (rows in
+lanes). Larger steps stay on F.linear, near the machine's float32 peak there. Same numbers up
+to float32 summation order."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ import torch
 from kvfleet.kernels import cpu_library
 
 # Row counts this kernel takes from F.linear. A step's projections (30 layers + LM head) on a
-# 2-core AVX-512 host: 1.16-1.37x F.linear at 4-16 rows, even at 32-64, slower from 96 (MKL
-# nears the float32 peak) and at 1-2 rows (MKL's GEMV streams the weight faster)
-# (`kvfleet bench cpu-kernels`, docs/bench-cpu-kernels-float32.json). On every step of real
-# runs (`kvfleet bench gemm-rows --dtype float32`): capped at 32 sequences, 1-16-row steps took
-# 0.85x the time and 17-32-row steps 0.95x; offline, 48 beat 32 on 33-64-row steps (0.978 vs
-# 0.993), and steps routed alike read 0.99-1.0 (docs/bench-gemm-rows-float32-*.json).
-MIN_ROWS, MAX_ROWS = 4, 48
+# 2-core AVX-512 host: 1.22-1.38x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.42x at 32,
+# 1.33x at 48 and 1.13x at 64 (rows in lanes); slower from 96 (MKL nears the float32 peak) and
+# at 1-2 rows (MKL's GEMV streams the weight faster) (`kvfleet bench cpu-kernels`,
+# docs/bench-cpu-kernels-float32.json). On every step of an offline run (`kvfleet bench
+# gemm-rows --dtype float32`): limit 64 took 0.83x the time of F.linear on 1-16-row steps, 0.84x
+# on 17-32 and 0.93x on 33-64, while 96 and 128 lost on the 65-255-row steps (1.04x, 1.08x)
+# (docs/bench-gemm-rows-float32-offline.json).
+MIN_ROWS, MAX_ROWS = 4, 64
 
 
 def available() -> bool:

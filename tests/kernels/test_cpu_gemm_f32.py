@@ -29,10 +29,11 @@ def assert_one_dot_rounding(got, x, w, bias=None):
     assert bool(((got.double() - exact).abs() <= bound).all())
 
 
-# Rows: the smallest taken, a partial 4-row tile, a decode batch, the largest taken. Columns:
-# one, a partial 4-column tile, the bundled model's qkv and gate/up. K: one (all tail), a
-# partial 16-wide step, the bundled model's 576 and 1536.
-@pytest.mark.parametrize("rows", [2, 7, 32, cpu_gemm_f32.MAX_ROWS])
+# Rows: the dot form (2, a partial 4-row tile, its last 16) and rows in lanes (17: one row past
+# a vector; 32, 48, 64: two to four row vectors per panel; 100: two-vector passes and a tail),
+# and the largest taken. Columns: one, a partial tile or panel, the bundled model's qkv and
+# gate/up. K: one, a partial 16-wide step, the bundled model's 576 and 1536.
+@pytest.mark.parametrize("rows", sorted({2, 7, 16, 17, 32, 48, 64, 100, cpu_gemm_f32.MAX_ROWS}))
 @pytest.mark.parametrize("n,k", [(1, 1), (6, 17), (960, 576), (576, 1536), (3072, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_exact_product(rows, n, k, with_bias):
