@@ -11,9 +11,13 @@
  * stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
  * attributed (the OpenMP wait policy did not change it).
  *
- * It takes decode-only steps (up to cpu_gemm.MAX_ROWS sequences, where the per-op path's
- * projections run on the same AMX GEMM) of bf16 weights packed for it, and head-major bf16 caches;
- * cpu_decode_step.py checks that once per stack and per step, and everything else keeps the
+ * kvfleet_decode_step_bf16 takes decode-only steps (up to cpu_gemm.MAX_ROWS sequences, where the
+ * per-op path's projections run on the same AMX GEMM) of bf16 weights packed for it, and
+ * head-major bf16 caches. kvfleet_decode_step_f32 is the float32 model's (the CPU default
+ * without AVX512-BF16): plain float32 weights, float32 caches, and steps of the rows the per-op
+ * path runs on cpu_gemm_f32 (cpu_gemm_f32.MIN_ROWS to MAX_ROWS), its kernels the per-op path's
+ * float32 ones: RMSNorm, the GEMM, rotary + cache write, attention, SiLU-and-mul.
+ * cpu_decode_step.py checks all that once per stack and per step, and everything else keeps the
  * per-op path. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,12 +32,13 @@ enum { STAGE_QKV = 1, STAGE_ROTARY_CACHE, STAGE_ATTENTION, STAGE_O, STAGE_GATE_U
 
 enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SILU_AND_MUL = 2 }; /* cpu_gemm.c's */
 
-/* One layer's weights (projections packed by cpu_gemm.pack) and its K/V caches. */
+/* One layer's weights and its K/V caches: bf16 (norm weights bf16, projections packed by
+ * cpu_gemm.pack) or float32 (all plain), as the entry point called says. */
 typedef struct {
-    const uint16_t *input_norm, *qkv;
+    const void *input_norm, *qkv;
     const float *qkv_bias; /* NULL without q/k/v biases */
-    const uint16_t *o, *post_norm, *gate_up, *down;
-    uint16_t *k_cache, *v_cache; /* head-major [kv_heads, num_blocks, block_size, head_dim] */
+    const void *o, *post_norm, *gate_up, *down;
+    void *k_cache, *v_cache; /* head-major [kv_heads, num_blocks, block_size, head_dim] */
 } DecodeLayer;
 
 /* What stays fixed from step to step (cpu_decode_step.py builds it once). */
@@ -53,6 +58,41 @@ typedef struct {
         if (status_ != OK) {                                                               \
             free(buffers);                                                                 \
             return ((layer * STAGES) + (stage)) * STATUS_RANGE + status_;                  \
+        }                                                                                  \
+    } while (0)
+
+/* One layer's rotary + cache write, then attention: the same two calls in both dtypes (the
+ * activations' and the caches', elem bytes each). q, k and v are column ranges of the qkv rows.
+ * Returns OK, or stage * STATUS_RANGE + the failing kernel's status. */
+static int rotate_cache_attend(const DecodeStack *stack, const DecodeLayer *w, char *qkv,
+                               void *attn, int dtype, size_t elem, int64_t m,
+                               const int64_t *positions, const int64_t *slots,
+                               const int32_t *block_tables, int64_t table_stride,
+                               const int32_t *seq_lens, int allow_amx, int num_threads) {
+    const int64_t d = stack->head_dim;
+    const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
+    const int64_t qkv_n = q_size + 2 * kv_size;
+    int status = kvfleet_rotary_and_cache(
+        positions, m, qkv, qkv_n, stack->num_heads, qkv + q_size * elem, qkv_n,
+        qkv + (q_size + kv_size) * elem, qkv_n, stack->num_kv_heads, (int)d, stack->rot_dim,
+        stack->cos_sin, stack->cos_sin_stride, stack->max_position, w->k_cache, w->v_cache, slots,
+        stack->num_blocks, stack->block_size, dtype, num_threads);
+    if (status != OK) return STAGE_ROTARY_CACHE * STATUS_RANGE + status;
+    status = kvfleet_decode_attention(qkv, qkv_n, attn, q_size, dtype, w->k_cache, w->v_cache,
+                                      dtype, block_tables, table_stride, seq_lens, (int)m,
+                                      stack->num_heads, stack->num_kv_heads, (int)d,
+                                      stack->block_size, stack->num_blocks, stack->scale,
+                                      num_threads, allow_amx);
+    return status == OK ? OK : STAGE_ATTENTION * STATUS_RANGE + status;
+}
+
+/* The layer's share of a failure code from rotate_cache_attend. */
+#define FAIL_ATTEND(call)                                                                  \
+    do {                                                                                   \
+        const int failed_ = (call);                                                        \
+        if (failed_ != OK) {                                                               \
+            free(buffers);                                                                 \
+            return layer * STAGES * STATUS_RANGE + failed_;                                \
         }                                                                                  \
     } while (0)
 
@@ -77,19 +117,9 @@ int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *
         FAIL(STAGE_QKV, kvfleet_linear_amx_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, layer > 0,
                                                 w->input_norm, stack->eps, w->qkv, w->qkv_bias,
                                                 qkv, qkv_n, m, qkv_n, h, num_threads));
-        FAIL(STAGE_ROTARY_CACHE,
-             kvfleet_rotary_and_cache(
-                 positions, m, qkv, qkv_n, stack->num_heads, qkv + q_size, qkv_n,
-                 qkv + q_size + kv_size, qkv_n, stack->num_kv_heads, (int)d, stack->rot_dim,
-                 stack->cos_sin, stack->cos_sin_stride, stack->max_position, w->k_cache,
-                 w->v_cache, slots, stack->num_blocks, stack->block_size, DTYPE_BFLOAT16,
-                 num_threads));
-        FAIL(STAGE_ATTENTION,
-             kvfleet_decode_attention(qkv, qkv_n, attn, q_size, DTYPE_BFLOAT16, w->k_cache,
-                                      w->v_cache, DTYPE_BFLOAT16, block_tables, table_stride,
-                                      seq_lens, (int)m, stack->num_heads, stack->num_kv_heads,
-                                      (int)d, stack->block_size, stack->num_blocks, stack->scale,
-                                      num_threads, allow_amx));
+        FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_BFLOAT16,
+                                        sizeof(uint16_t), m, positions, slots, block_tables,
+                                        table_stride, seq_lens, allow_amx, num_threads));
         FAIL(STAGE_O, kvfleet_linear_amx_bf16(attn, q_size, PROLOGUE_NONE, NULL, 0, NULL, 0.0f,
                                               w->o, NULL, hidden, h, m, h, q_size, num_threads));
         FAIL(STAGE_GATE_UP,
@@ -99,6 +129,47 @@ int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *
         FAIL(STAGE_DOWN, kvfleet_linear_amx_bf16(gate_up, gate_up_n, PROLOGUE_SILU_AND_MUL, NULL,
                                                  0, NULL, 0.0f, w->down, NULL, hidden, h, m, h,
                                                  stack->intermediate, num_threads));
+    }
+    free(buffers);
+    return OK;
+}
+
+/* The float32 step: the same arguments, hidden [m, hidden] float32. The normalised rows and
+ * SwiGLU's product get buffers of their own, where the bf16 step's GEMM takes both as prologues
+ * of its packing. */
+int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *residual, int64_t m,
+                            const int64_t *positions, const int64_t *slots,
+                            const int32_t *block_tables, int64_t table_stride,
+                            const int32_t *seq_lens, int allow_amx, int num_threads) {
+    const int64_t h = stack->hidden, d = stack->head_dim, inter = stack->intermediate;
+    const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
+    const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * inter;
+    float *buffers = malloc((size_t)m * (h + qkv_n + q_size + gate_up_n + inter) * sizeof(float));
+    if (!buffers) return ERR_NOMEM;
+    float *normed = buffers, *qkv = normed + m * h, *attn = qkv + m * qkv_n;
+    float *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_n;
+    const float eps = stack->eps;
+
+    for (int layer = 0; layer < stack->num_layers; layer++) {
+        const DecodeLayer *w = &stack->layers[layer];
+        /* The first layer starts the residual stream from the embeddings. */
+        FAIL(STAGE_QKV, kvfleet_add_rms_norm(hidden, h, residual, layer > 0, w->input_norm, normed,
+                                             m, (int)h, eps, DTYPE_FLOAT32, num_threads));
+        FAIL(STAGE_QKV, kvfleet_linear_f32(normed, h, w->qkv, w->qkv_bias, qkv, qkv_n, m, qkv_n, h,
+                                           num_threads));
+        FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_FLOAT32, sizeof(float),
+                                        m, positions, slots, block_tables, table_stride, seq_lens,
+                                        allow_amx, num_threads));
+        FAIL(STAGE_O, kvfleet_linear_f32(attn, q_size, w->o, NULL, hidden, h, m, h, q_size,
+                                         num_threads));
+        FAIL(STAGE_GATE_UP, kvfleet_add_rms_norm(hidden, h, residual, 1, w->post_norm, normed, m,
+                                                 (int)h, eps, DTYPE_FLOAT32, num_threads));
+        FAIL(STAGE_GATE_UP, kvfleet_linear_f32(normed, h, w->gate_up, NULL, gate_up, gate_up_n, m,
+                                               gate_up_n, h, num_threads));
+        FAIL(STAGE_DOWN, kvfleet_silu_and_mul(gate_up, gate_up_n, act, m, (int)inter,
+                                              DTYPE_FLOAT32, num_threads));
+        FAIL(STAGE_DOWN, kvfleet_linear_f32(act, inter, w->down, NULL, hidden, h, m, h, inter,
+                                            num_threads));
     }
     free(buffers);
     return OK;

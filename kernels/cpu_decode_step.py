@@ -1,16 +1,19 @@
 """A decode step through a whole Llama-family decoder stack in one C call
 (kernels/cpu_decode_step.c).
 
-The C side chains the six kernels the per-op path calls per layer (cpu_gemm's RMSNorm + qkv,
-cpu_elementwise's rotary + cache write, cpu_attention's decode, cpu_gemm's o, RMSNorm + gate/up
-and SiLU-and-mul + down) in the same order on the same inputs: the same bits, with one Python
-call a step instead of six per layer. On the 2-core host that took a bundled-model decode step
-from 26.6 to 16.1 ms at 1 sequence and from 69.1 to 53.5 ms at 32 (medians, `kvfleet bench
-decode-step`, docs/bench-decode-step.json).
+The C side chains the kernels the per-op path calls per layer (RMSNorm + qkv, rotary + cache
+write, decode attention, o, RMSNorm + gate/up, SiLU-and-mul + down) in the same order on the same
+inputs: the same bits, with one Python call a step instead of six per layer. On the 2-core host
+that took a bf16 bundled-model decode step from 26.6 to 16.1 ms at 1 sequence and from 69.1 to
+53.5 ms at 32 (medians, `kvfleet bench decode-step`, docs/bench-decode-step.json), and on an
+AVX-512-only host a float32 one from 52.6 to 37.9 ms at 4 sequences, 101.8 to 85.1 at 32 and
+162.9 to 148.4 at 64 (`--dtype float32`, docs/bench-decode-step-float32.json).
 
-`build` says once per stack and set of caches whether it applies (bf16 weights prepacked for the
-AMX GEMM, head-major bf16 caches); `DecodeStack.accepts` says per step (decodes only, as many as
-the per-op path runs on the AMX GEMM: `cpu_gemm.MAX_ROWS`).
+Two forms, by the model's dtype. bf16: weights prepacked for the AMX GEMM, head-major bf16
+caches, up to `cpu_gemm.MAX_ROWS` sequences. float32 (the CPU default without AVX512-BF16):
+plain weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`.
+`build` says once per stack and set of caches whether one applies; `DecodeStack.accepts` says
+per step (decodes only, as many as the per-op path runs on the same GEMM kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvfleet.kernels import (
     cpu_cache,
     cpu_elementwise,
     cpu_gemm,
+    cpu_gemm_f32,
     cpu_library,
     cpu_linear,
 )
@@ -87,7 +91,7 @@ class LayerWeights:
     """One decoder layer's weights as the model holds them after `prepack`."""
 
     input_norm: torch.Tensor
-    qkv: object  # cpu_linear.PackedLinear where the stack applies
+    qkv: object  # bf16: cpu_linear.PackedLinear where the stack applies; float32: a tensor
     qkv_bias: torch.Tensor | None
     o: object
     post_norm: torch.Tensor
@@ -118,8 +122,12 @@ class DecodeStack:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         cos_sin_cache: torch.Tensor,
         shape: StackShape,
+        dtype: torch.dtype = _BF16,
     ) -> None:
-        # Kernel inputs: the bias as float32 (what cpu_gemm passes), the packed tiles.
+        # Kernel inputs: the bias as float32 (what cpu_gemm and cpu_gemm_f32 pass), bf16's
+        # packed tiles or float32's plain weights.
+        self.dtype = dtype
+        weight = (lambda w: w.tiles.data_ptr()) if dtype == _BF16 else (lambda w: w.data_ptr())
         biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in layers]
         self._keep = [layers, kv_caches, cos_sin_cache, biases]
         self._layers = (_Layer * len(layers))()
@@ -127,12 +135,12 @@ class DecodeStack:
             self._layers, layers, biases, kv_caches, strict=True
         ):
             entry.input_norm = w.input_norm.data_ptr()
-            entry.qkv = w.qkv.tiles.data_ptr()
+            entry.qkv = weight(w.qkv)
             entry.qkv_bias = bias.data_ptr() if bias is not None else None
-            entry.o = w.o.tiles.data_ptr()
+            entry.o = weight(w.o)
             entry.post_norm = w.post_norm.data_ptr()
-            entry.gate_up = w.gate_up.tiles.data_ptr()
-            entry.down = w.down.tiles.data_ptr()
+            entry.gate_up = weight(w.gate_up)
+            entry.down = weight(w.down)
             # A head-major cache is a permuted view of [kv_heads, blocks, block, D] storage,
             # which starts at the view's own data pointer.
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -159,11 +167,16 @@ class DecodeStack:
         self.max_position = cos_sin_cache.shape[0]
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether this step runs here: only decodes, no more than the per-op path would run
-        on the AMX GEMM (`cpu_gemm.MAX_ROWS`), so that fused and per-op give the same bits."""
+        """Whether this step runs here: only decodes, as many as the per-op path would run on
+        the same GEMM kernel (`cpu_gemm.MAX_ROWS` in bf16, `cpu_gemm_f32.MIN_ROWS` to
+        `MAX_ROWS` in float32), so that fused and per-op give the same bits."""
+        if self.dtype == _BF16:
+            lo, hi = 1, cpu_gemm.MAX_ROWS
+        else:
+            lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
         return (
             ENABLED
-            and 0 < rows <= cpu_gemm.MAX_ROWS
+            and lo <= rows <= hi
             and meta.num_decodes == rows == meta.num_seqs
             and meta.block_tables.dtype == torch.int32
             and meta.block_tables.stride(-1) == 1
@@ -178,22 +191,26 @@ class DecodeStack:
         self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer for a step `accepts` took: the pair the
-        per-op layer loop returns. `hidden` ([rows, hidden] bf16 embeddings) is overwritten."""
+        per-op layer loop returns. `hidden` ([rows, hidden] embeddings in the stack's dtype) is
+        overwritten."""
         rows = hidden.shape[0]
         if (
             hidden.shape != (rows, self.hidden)
-            or hidden.dtype != _BF16
+            or hidden.dtype != self.dtype
             or not hidden.is_contiguous()
         ):
+            name = "bf16" if self.dtype == _BF16 else "float32"
             raise ValueError(
-                f"decode step: hidden must be contiguous bf16 [{rows}, {self.hidden}], got "
+                f"decode step: hidden must be contiguous {name} [{rows}, {self.hidden}], got "
                 f"{tuple(hidden.shape)} {hidden.dtype}"
             )
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         residual = torch.empty(rows, self.hidden, dtype=torch.float32)
         tables = meta.block_tables
-        status = cpu_library.library().kvfleet_decode_step_bf16(
+        lib = cpu_library.library()
+        step = lib.kvfleet_decode_step_bf16 if self.dtype == _BF16 else lib.kvfleet_decode_step_f32
+        status = step(
             ctypes.byref(self._stack), hidden.data_ptr(), residual.data_ptr(), rows,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
             tables.stride(0), meta.seq_lens.data_ptr(), int(cpu_attention.ALLOW_AMX),
@@ -228,12 +245,12 @@ class _Probe:
     residual, q/k/v as views of one qkv row, a position and a slot), so `build` asks each
     kernel's own `supports` instead of repeating its conditions."""
 
-    def __init__(self, hidden: int, shape: StackShape) -> None:
+    def __init__(self, hidden: int, shape: StackShape, dtype: torch.dtype) -> None:
         d = shape.head_dim
         q_size, kv_size = shape.num_heads * d, shape.num_kv_heads * d
-        self.x = torch.empty(1, hidden, dtype=_BF16)
+        self.x = torch.empty(1, hidden, dtype=dtype)
         self.residual = torch.empty(1, hidden, dtype=torch.float32)
-        qkv = torch.empty(1, q_size + 2 * kv_size, dtype=_BF16)
+        qkv = torch.empty(1, q_size + 2 * kv_size, dtype=dtype)
         self.q = qkv[:, :q_size].view(1, shape.num_heads, d)
         self.k = qkv[:, q_size : q_size + kv_size].view(1, shape.num_kv_heads, d)
         self.v = qkv[:, q_size + kv_size :].view(1, shape.num_kv_heads, d)
@@ -241,7 +258,8 @@ class _Probe:
         self.slot = torch.zeros(1, dtype=torch.int64)
 
     def kernels_take(self, w: LayerWeights, k_cache, v_cache, cos_sin_cache) -> bool:
-        """Whether the per-op path would run each of this layer's ops on its C kernel."""
+        """Whether the per-op path would run each of this layer's non-GEMM ops on its C
+        kernel."""
         return (
             cpu_elementwise.supports_rms_norm(self.x, w.input_norm, self.residual)
             and cpu_elementwise.supports_rms_norm(self.x, w.post_norm, self.residual)
@@ -249,6 +267,17 @@ class _Probe:
             and cpu_cache.supports(self.k, self.v, k_cache, v_cache, self.slot)
             and cpu_attention.supports(self.q, k_cache, v_cache)
         )
+
+
+def _plain_f32(weight: object, rows: int, cols: int) -> bool:
+    """A plain float32 weight [rows, cols] that cpu_gemm_f32 reads in place."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.shape == (rows, cols)
+        and weight.is_contiguous()
+    )
 
 
 def build(
@@ -259,25 +288,43 @@ def build(
 ) -> DecodeStack | None:
     """The fused decode step for these weights and caches, or None where it does not apply
     (then the model keeps its per-op layer loop, which handles every case)."""
-    if not (layers and len(layers) == len(kv_caches) and cpu_gemm.available()):
+    if not (layers and len(layers) == len(kv_caches)):
+        return None
+    dtype = layers[0].input_norm.dtype
+    if not (
+        (dtype == _BF16 and cpu_gemm.available())
+        or (dtype == torch.float32 and cpu_gemm_f32.available())
+    ):
         return None
     hidden = layers[0].input_norm.shape[0]
     q_size = shape.num_heads * shape.head_dim
     qkv_n = q_size + 2 * shape.num_kv_heads * shape.head_dim
-    probe = _Probe(hidden, shape)
+    gate_up_n = 2 * shape.intermediate
+    probe = _Probe(hidden, shape, dtype)
     first = kv_caches[0][0]
     for w, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        if dtype == _BF16:
+            weights_fit = (
+                all(_packed(p) for p in (w.qkv, w.o, w.gate_up, w.down))
+                and (w.qkv.out_features, w.qkv.in_features) == (qkv_n, hidden)
+                and (w.o.out_features, w.o.in_features) == (hidden, q_size)
+                and (w.gate_up.out_features, w.gate_up.in_features) == (gate_up_n, hidden)
+                and (w.down.out_features, w.down.in_features) == (hidden, shape.intermediate)
+            )
+        else:
+            weights_fit = (
+                _plain_f32(w.qkv, qkv_n, hidden)
+                and _plain_f32(w.o, hidden, q_size)
+                and _plain_f32(w.gate_up, gate_up_n, hidden)
+                and _plain_f32(w.down, hidden, shape.intermediate)
+            )
         if not (
-            all(_packed(p) for p in (w.qkv, w.o, w.gate_up, w.down))
-            and (w.qkv.out_features, w.qkv.in_features) == (qkv_n, hidden)
-            and (w.o.out_features, w.o.in_features) == (hidden, q_size)
-            and (w.gate_up.out_features, w.gate_up.in_features) == (2 * shape.intermediate, hidden)
-            and (w.down.out_features, w.down.in_features) == (hidden, shape.intermediate)
+            weights_fit
             and (w.qkv_bias is None or w.qkv_bias.shape == (qkv_n,))
             # One block count and size for the whole stack (the C side takes them once);
-            # the caches' bf16 dtype comes with the probe's bf16 k and v.
+            # the caches' dtype comes with the probe's k and v.
             and k_cache.shape == first.shape
             and probe.kernels_take(w, k_cache, v_cache, cos_sin_cache)
         ):
             return None
-    return DecodeStack(layers, kv_caches, cos_sin_cache, shape)
+    return DecodeStack(layers, kv_caches, cos_sin_cache, shape, dtype)

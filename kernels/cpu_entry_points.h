@@ -16,7 +16,17 @@ int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, f
                             int64_t out_stride, int64_t m, int64_t n, int64_t k,
                             int num_threads);
 
+/* cpu_gemm_f32.c */
+int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias,
+                       float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                       int num_threads);
+
 /* cpu_elementwise.c */
+int kvfleet_add_rms_norm(const void *x, int64_t x_stride, float *residual, int has_residual,
+                         const void *weight, void *out, int64_t rows, int hidden, float eps,
+                         int io_dtype, int num_threads);
+int kvfleet_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int d,
+                         int io_dtype, int num_threads);
 int kvfleet_rotary_and_cache(const int64_t *positions, int64_t tokens, void *q, int64_t q_stride,
                              int q_heads, void *k, int64_t k_stride, const void *v,
                              int64_t v_stride, int k_heads, int head_dim, int rot_dim,

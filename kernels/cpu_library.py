@@ -90,6 +90,7 @@ SIGNATURES: dict[str, list[type]] = {
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
     # table_stride, seq_lens, allow_amx, num_threads
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
+    "kvfleet_decode_step_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
 }  # fmt: skip
 
 

@@ -3,9 +3,10 @@ layer from Python) and as one fused C call (`kvfleet.kernels.cpu_decode_step`), 
 batch sizes, in one run.
 
 Each batch size first checks that the two give the same hidden states to the bit (both run
-every projection on the AMX GEMM), then times them alternately: what a step costs with the
-fused call and without it. Times are the minimum and median over `--iters` steps each, logits
-included. CPU, bfloat16 only: elsewhere there is no fused call.
+every projection on the same GEMM kernel: AMX in bfloat16, `cpu_gemm_f32` in float32), then
+times them alternately: what a step costs with the fused call and without it. Times are the
+minimum and median over `--iters` steps each, logits included. CPU only; `--dtype auto` is the
+CPU's default (bfloat16 where it is native, else float32).
 """
 
 from __future__ import annotations
@@ -17,21 +18,29 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-DEFAULT_SEQUENCES = "1,8,32,128"
+# bf16: up to cpu_gemm.MAX_ROWS sequences; float32: cpu_gemm_f32.MIN_ROWS to MAX_ROWS.
+DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "4,8,32,64"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "decode-step",
-        help="a decode step op by op vs one fused C call (CPU, bf16)",
+        help="a decode step op by op vs one fused C call (CPU)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="bundled", help="as for `kvfleet generate` (default bundled)")
     p.add_argument(
         "--sequences",
-        default=DEFAULT_SEQUENCES,
-        help=f"batch sizes to time, comma-separated (default {DEFAULT_SEQUENCES})",
+        default=None,
+        help="batch sizes to time, comma-separated (default: bfloat16 "
+        f"{DEFAULT_SEQUENCES['bfloat16']}, float32 {DEFAULT_SEQUENCES['float32']})",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the model's dtype (default auto: the CPU's default)",
     )
     p.add_argument("--context", type=int, default=400, help="tokens each sequence has cached")
     p.add_argument("--iters", type=int, default=20, help="timed steps per path and batch size")
@@ -64,7 +73,7 @@ class _Batch:
     """`sequences` decoding sequences of `context` cached tokens each, in consecutive blocks
     of head-major caches filled with random K/V."""
 
-    def __init__(self, torch, net, config, sequences: int, context: int) -> None:
+    def __init__(self, torch, net, config, sequences: int, context: int, dtype) -> None:
         from kvfleet.kernels import dispatch
         from kvfleet.kernels.metadata import AttentionMetadata
 
@@ -75,7 +84,7 @@ class _Batch:
         for _ in range(config.num_layers):
             k, v = dispatch.allocate_kv_cache(
                 sequences * per_seq, block, config.num_kv_heads, config.head_dim,
-                torch.bfloat16, torch.device("cpu"),
+                dtype, torch.device("cpu"),
             )  # fmt: skip
             k.copy_(torch.randn(k.shape, generator=gen))
             v.copy_(torch.randn(v.shape, generator=gen))
@@ -132,12 +141,25 @@ def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
     )
 
 
-def measure(model: str, sequences: list[int], context: int, iters: int) -> dict:
+def _row_limits(torch, dtype) -> tuple[int, int]:
+    """The batch sizes the fused call takes in `dtype` (those the per-op path runs on the same
+    GEMM kernel)."""
+    from kvfleet.kernels import cpu_gemm, cpu_gemm_f32
+
+    if dtype == torch.bfloat16:
+        return 1, cpu_gemm.MAX_ROWS
+    return cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
+
+
+def measure(model: str, sequences: list[int], context: int, iters: int, dtype_name: str) -> dict:
     import torch
-    from kvfleet.kernels import cpu_decode_step, cpu_gemm
+    from kvfleet.kernels import cpu_decode_step
+    from kvfleet.runtime.engine import resolve_dtype
     from kvfleet.runtime.loader import load_model
 
-    net, config, _ = load_model(model, torch.bfloat16, "cpu")
+    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
+    lo, hi = _row_limits(torch, dtype)
+    net, config, _ = load_model(model, dtype, "cpu")
     net.prepack()
     rows: list[StepRow] = []
     previous_enabled = cpu_decode_step.ENABLED
@@ -145,12 +167,15 @@ def measure(model: str, sequences: list[int], context: int, iters: int) -> dict:
         with torch.inference_mode():
             for n in sequences:
                 batch = None
-                if n <= cpu_gemm.MAX_ROWS:
-                    batch = _Batch(torch, net, config, n, context)
+                if lo <= n <= hi:
+                    batch = _Batch(torch, net, config, n, context, dtype)
                 if batch is None or net.decode_stack_for(batch.kv) is None:
+                    needs = (
+                        "AMX" if dtype == torch.bfloat16 else "AVX-512"
+                    ) + f" and {lo} to {hi} sequences"
                     raise RuntimeError(
-                        f"no fused decode step here for {n} sequences (needs a bf16 model, "
-                        f"AMX, and at most {cpu_gemm.MAX_ROWS} sequences)"
+                        f"no fused decode step here for {n} sequences in {dtype_name} "
+                        f"({str(dtype).removeprefix('torch.')}: needs {needs})"
                     )
                 rows.append(_row(torch, batch, n, context, iters))
                 del batch  # its caches: the next batch size allocates its own
@@ -158,22 +183,34 @@ def measure(model: str, sequences: list[int], context: int, iters: int) -> dict:
         cpu_decode_step.ENABLED = previous_enabled
     return {
         "model": model,
+        "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "same_bits": True,  # every row, before timing (else the command fails)
         "rows": [asdict(r) for r in rows],
     }
 
 
+def _default_sequences(dtype_name: str) -> str:
+    if dtype_name == "auto":
+        from kvfleet.kernels import cpu_features
+
+        dtype_name = "bfloat16" if cpu_features.native_bf16() else "float32"
+    return DEFAULT_SEQUENCES[dtype_name]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        sequences = _parse_sequences(args.sequences)
         if args.context < 1 or args.iters < 1:
             raise ValueError("--context and --iters: must be at least 1")
-        report = measure(args.model, sequences, args.context, args.iters)
+        sequences = _parse_sequences(args.sequences or _default_sequences(args.dtype))
+        report = measure(args.model, sequences, args.context, args.iters, args.dtype)
     except (ValueError, RuntimeError) as exc:
         print(f"kvfleet bench decode-step: {exc}", file=sys.stderr)
         return 1
-    print(f"model {report['model']}, {report['threads']} threads; decode step, ms (min / median)")
+    print(
+        f"model {report['model']} ({report['dtype']}), {report['threads']} threads; "
+        "decode step, ms (min / median)"
+    )
     print(f"{'seqs':>5} {'context':>8} {'per-op':>16} {'fused':>16} {'speedup':>8}")
     for r in report["rows"]:
         print(

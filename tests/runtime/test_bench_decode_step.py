@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kvfleet.kernels import cpu_decode_step, cpu_gemm
+from kvfleet.kernels import cpu_decode_step, cpu_gemm, cpu_gemm_f32
 from kvfleet.runtime.cli import main
 
 
@@ -16,15 +16,21 @@ def _kernels_on(monkeypatch):
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
 
 
-def test_times_both_paths_at_each_batch_size(tiny_llama_dir: Path, tmp_path: Path, capsys):
-    if not cpu_gemm.available():
-        pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
+# bf16 on AMX from one sequence; float32 on AVX-512 from cpu_gemm_f32.MIN_ROWS (4).
+@pytest.mark.parametrize("dtype,sequences", [("bfloat16", [1, 3]), ("float32", [4, 40])])
+def test_times_both_paths_at_each_batch_size(
+    dtype: str, sequences: list[int], tiny_llama_dir: Path, tmp_path: Path, capsys
+):
+    if not (cpu_gemm if dtype == "bfloat16" else cpu_gemm_f32).available():
+        pytest.skip(f"no fused {dtype} decode step here (tests/kernels say where there must be)")
     out = tmp_path / "step.json"
-    argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--sequences", "1,3"]
+    argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--dtype", dtype]
+    argv += ["--sequences", ",".join(map(str, sequences))]
     assert main([*argv, "--context", "20", "--iters", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["same_bits"] is True
-    assert [r["sequences"] for r in report["rows"]] == [1, 3]
+    assert report["dtype"] == dtype
+    assert [r["sequences"] for r in report["rows"]] == sequences
     for r in report["rows"]:
         assert r["context_tokens"] == 20
         assert 0 < r["per_op_min_ms"] <= r["per_op_median_ms"]
@@ -40,8 +46,18 @@ def test_bad_flags_are_named(tiny_llama_dir: Path, flags: list[str], capsys):
     assert "--sequences" in err or "--iters" in err
 
 
-def test_too_many_sequences_for_the_fused_call_is_refused(tiny_llama_dir: Path, capsys):
-    n = str(cpu_gemm.MAX_ROWS + 1)
-    argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--sequences", n]
-    assert main([*argv, "--context", "4", "--iters", "1"]) == 1
-    assert "no fused decode step here" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "dtype,n",
+    [
+        ("bfloat16", cpu_gemm.MAX_ROWS + 1),
+        ("float32", cpu_gemm_f32.MIN_ROWS - 1),
+        ("float32", cpu_gemm_f32.MAX_ROWS + 1),
+    ],
+)
+def test_batch_sizes_the_fused_call_does_not_take_are_refused(
+    dtype: str, n: int, tiny_llama_dir: Path, capsys
+):
+    argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--dtype", dtype]
+    assert main([*argv, "--sequences", str(n), "--context", "4", "--iters", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"no fused decode step here for {n} sequences in {dtype}" in err

@@ -1,6 +1,7 @@
 """The fused decode step (kernels/cpu_decode_step.c: the whole decoder stack in one C call) gives
 the per-op layer loop's results to the bit, writes the same cache bytes, and is taken exactly
-for the steps it can run: decode-only steps of a bf16 model prepacked for the AMX GEMM."""
+for the steps it can run: decode-only steps of a bf16 model prepacked for the AMX GEMM, or of a
+float32 model with as many sequences as the per-op path runs on the float32 GEMM kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_decode_step, cpu_gemm, dispatch
+from kvfleet.kernels import cpu_decode_step, cpu_gemm, cpu_gemm_f32, dispatch
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.loader import load_model
 from kvfleet.runtime.model_llama import LlamaModel
@@ -27,6 +28,13 @@ def _kernels_on(monkeypatch):
 def _need_amx() -> None:
     if not cpu_gemm.available():
         pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
+
+
+def _need_avx512() -> None:
+    if not cpu_gemm_f32.available():
+        pytest.skip(
+            "no AVX-512 here (tests/kernels/test_cpu_gemm_f32.py asserts where there must be)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +57,14 @@ class Decoder:
 
     def __init__(self, net: LlamaModel, lengths: list[int], block_size: int = 16, seed: int = 0):
         cfg = net.config
+        dtype = net.embed_tokens.dtype
         gen = torch.Generator().manual_seed(seed)
         self.net, self.block_size = net, block_size
         per_seq = (max(lengths) + 8) // block_size + 1
         num_blocks = len(lengths) * per_seq + 3
         self.kv = [
             dispatch.allocate_kv_cache(
-                num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, BF16, torch.device("cpu")
+                num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu")
             )
             for _ in range(cfg.num_layers)
         ]
@@ -197,16 +206,21 @@ def test_no_fused_step_without_prepacked_bf16_weights_or_head_major_caches(tiny_
         assert packed.decode_stack_for(head_major) is not None
 
 
-def test_bad_position_or_slot_raises_and_writes_no_cache(tiny_llama_dir, monkeypatch):
-    _need_amx()
-    net = _prepacked(tiny_llama_dir)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bad_position_or_slot_raises_and_writes_no_cache(dtype, tiny_llama_dir, monkeypatch):
+    if dtype == "bfloat16":
+        _need_amx()
+        net = _prepacked(tiny_llama_dir)
+    else:
+        _need_avx512()
+        net = _float32(tiny_llama_dir)
     limit = net.config.max_position_embeddings
     for error in ("position", "slot"):
-        run = Decoder(net, [4, 6])
+        run = Decoder(net, [4, 6, 2, 5])  # four: as many as the float32 step needs
         before = [(k.clone(), v.clone()) for k, v in run.kv]
         if error == "position":  # the first sequence's next position is past the RoPE table
-            run.lens = [limit, 3]
-            run.tables = torch.zeros(2, limit // run.block_size + 2, dtype=torch.int32)
+            run.lens = [limit, 3, 3, 3]
+            run.tables = torch.zeros(4, limit // run.block_size + 2, dtype=torch.int32)
             match = f"outside \\[0, {limit}\\)"
         else:  # the second sequence's next slot lies in a block past the pool
             run.tables[1, 0] = 10_000
@@ -214,7 +228,7 @@ def test_bad_position_or_slot_raises_and_writes_no_cache(tiny_llama_dir, monkeyp
         calls = _count_fused_steps(monkeypatch)
         with pytest.raises(IndexError, match=match):
             run.decode()
-        assert calls == [2]
+        assert calls == [4]
         for (k1, v1), (k2, v2) in zip(run.kv, before, strict=True):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
         monkeypatch.undo()
@@ -228,3 +242,77 @@ def test_hidden_states_of_the_wrong_shape_or_dtype_are_refused(tiny_llama_dir):
     hidden = torch.zeros(2, net.config.hidden_size)  # float32, not the model's bf16
     with pytest.raises(ValueError, match=f"contiguous bf16 \\[2, {net.config.hidden_size}\\]"):
         stack.run(hidden, torch.tensor([4, 6]), None)
+
+
+def _float32(folder: Path) -> LlamaModel:
+    net, _, _ = load_model(str(folder), torch.float32, "cpu")
+    net.prepack()  # float32 weights stay plain
+    return net
+
+
+def _match_per_op(net: LlamaModel, lengths: list[int], steps: int, monkeypatch) -> list[int]:
+    """Decode `steps` times fused and per-op from the same state; assert the same hidden states
+    and cache bytes, and return the row counts the fused call ran."""
+    fused = Decoder(net, lengths)
+    per_op = fused.fork()
+    calls = _count_fused_steps(monkeypatch)
+    for _ in range(steps):  # later steps read what the first wrote
+        cpu_decode_step.ENABLED = True
+        got = fused.decode()
+        cpu_decode_step.ENABLED = False
+        assert torch.equal(got, per_op.decode())
+    for (k1, v1), (k2, v2) in zip(fused.kv, per_op.kv, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-d64"])  # untied; biases; head_dim 64
+# The fewest rows it takes and a dot-form GEMM; rows in lanes with a partial row vector; the
+# most rows it takes.
+@pytest.mark.parametrize("num_seqs", [cpu_gemm_f32.MIN_ROWS, 37, cpu_gemm_f32.MAX_ROWS])
+def test_float32_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
+    arch, num_seqs, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_d64, monkeypatch
+):
+    _need_avx512()
+    folder = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama-d64": tiny_llama_d64}[arch]
+    lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(5))
+    calls = _match_per_op(_float32(folder), lengths.tolist(), 3, monkeypatch)
+    assert calls == [num_seqs] * 3
+
+
+def test_float32_steps_outside_the_gemm_kernels_rows_keep_the_per_op_loop(
+    tiny_llama_dir, monkeypatch
+):
+    """Below MIN_ROWS and above MAX_ROWS the per-op path multiplies on MKL, so the fused call
+    (whose GEMM is cpu_gemm_f32) stays out to keep the bits the same; prefills too."""
+    _need_avx512()
+    net = _float32(tiny_llama_dir)
+    lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
+    assert _match_per_op(net, [5] * (lo - 1), 1, monkeypatch) == []
+    assert _match_per_op(net, [5] * (hi + 1), 1, monkeypatch) == []
+
+
+def test_float32_stack_needs_float32_head_major_caches(tiny_llama_dir):
+    _need_avx512()
+    net = _float32(tiny_llama_dir)
+    cfg = net.config
+    shape = (8, 16, cfg.num_kv_heads, cfg.head_dim)
+    cpu = torch.device("cpu")
+    float32 = [
+        dispatch.allocate_kv_cache(*shape, torch.float32, cpu) for _ in range(cfg.num_layers)
+    ]
+    bf16 = [dispatch.allocate_kv_cache(*shape, BF16, cpu) for _ in range(cfg.num_layers)]
+    contiguous = [(torch.zeros(shape), torch.zeros(shape))] * cfg.num_layers
+    assert net.decode_stack_for(float32) is not None
+    assert net.decode_stack_for(bf16) is None
+    assert net.decode_stack_for(contiguous) is None
+
+
+def test_float32_hidden_states_of_the_wrong_dtype_are_refused(tiny_llama_dir):
+    _need_avx512()
+    net = _float32(tiny_llama_dir)
+    run = Decoder(net, [4, 6, 1, 2])
+    stack = net.decode_stack_for(run.kv)
+    hidden = torch.zeros(4, net.config.hidden_size, dtype=BF16)
+    with pytest.raises(ValueError, match=f"contiguous float32 \\[4, {net.config.hidden_size}\\]"):
+        stack.run(hidden, torch.tensor([4, 6, 1, 2]), None)
