@@ -79,8 +79,9 @@ static inline __m512 tile(const float *const *xr, const float *const *wr, int64_
         const float *wr[PR];                                                                   \
         for (int j = 0; j < PR; j++) wr[j] = w + (n0 + j < n ? n0 + j : n - 1) * k;            \
         /* The next panel's rows are contiguous: fetch a line of it per row and 16 k into L2, \
-         * which covers it exactly by the time this panel ends. */                             \
-        const char *next = (const char *)(w + (n0 + PR) * k), *end = (const char *)(w + n * k); \
+         * which covers it exactly by the time this panel ends (byte offsets into w). */       \
+        const int64_t next = (n0 + PR) * k * (int64_t)sizeof(float);                           \
+        const int64_t end = n * k * (int64_t)sizeof(float);                                    \
         __m512 acc[MV][PR];                                                                    \
         _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                                  \
             _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++) acc[v][j] = _mm512_setzero_ps(); \
@@ -89,10 +90,10 @@ static inline __m512 tile(const float *const *xr, const float *const *wr, int64_
             if ((p & (LANES - 1)) == 0) {                                                      \
                 _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                          \
                     _mm_prefetch((const char *)(wr[j] + p + PREFETCH_AHEAD), _MM_HINT_T0);     \
-                const char *line = next + (p / LANES) * PR * 64;                               \
+                const int64_t line = next + (p / LANES) * PR * 64;                             \
                 if (line + PR * 64 <= end)                                                     \
                     _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                      \
-                        _mm_prefetch(line + j * 64, _MM_HINT_T1);                              \
+                        _mm_prefetch((const char *)w + line + j * 64, _MM_HINT_T1);            \
             }                                                                                  \
             __m512 xv[MV];                                                                     \
             _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                              \
@@ -121,7 +122,7 @@ ROWS_IN_LANES_PANEL(4, 6)
 
 /* Rows in lanes for m > DOT_MAX_ROWS. Up to 4 row vectors run as one panel shape; more run as
  * 2-vector passes (and a 1-vector tail) over each 12-column panel, which the first pass left
- * in L1. */
+ * in L1 or L2 (slower than MKL from 96 rows: dispatch keeps those on F.linear). */
 static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const float *bias,
                          float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                          int num_threads) {
@@ -141,7 +142,8 @@ static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const
         else if (mv == 4) panel_4x6(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
         else {
             int64_t v0 = 0;
-            for (; v0 + 2 <= mv; v0 += 2) panel_2x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
+            for (; v0 + 2 <= mv; v0 += 2)
+                panel_2x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
             if (v0 < mv) panel_1x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
         }
     }
