@@ -137,7 +137,7 @@ static inline void pack_column(float *xT_row, const float *x_col, int64_t x_stri
 
 /* Rows in lanes for m > DOT_MAX_ROWS. Up to 4 row vectors run as one panel shape; more run as
  * 2-vector passes (and a 1-vector tail) over each 12-column panel, which the first pass left
- * in L1 or L2 (slower than MKL from 96 rows: dispatch keeps those on F.linear). */
+ * in L1 or L2. */
 static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const float *bias,
                          float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                          int num_threads) {

@@ -12,14 +12,14 @@ import torch
 from kvfleet.kernels import cpu_library
 
 # Row counts this kernel takes from F.linear. A step's projections (30 layers + LM head) on a
-# 2-core AVX-512 host: 1.22-1.38x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.42x at 32,
-# 1.33x at 48 and 1.13x at 64 (rows in lanes); slower from 96 (MKL nears the float32 peak) and
-# at 1-2 rows (MKL's GEMV streams the weight faster) (`kvfleet bench cpu-kernels`,
-# docs/bench-cpu-kernels-float32.json). On every step of an offline run (`kvfleet bench
-# gemm-rows --dtype float32`): limit 64 took 0.83x the time of F.linear on 1-16-row steps, 0.84x
-# on 17-32 and 0.93x on 33-64, while 96 and 128 lost on the 65-255-row steps (1.04x, 1.08x)
-# (docs/bench-gemm-rows-float32-offline.json).
-MIN_ROWS, MAX_ROWS = 4, 64
+# 2-core AVX-512 host: 1.25-1.40x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.53x at 32,
+# 1.43x at 48, 1.39x at 64, 1.10x at 96 and 0.96x at 128 (rows in lanes); slower at 1-2 rows
+# (MKL's GEMV streams the weight faster) (`kvfleet bench cpu-kernels`,
+# docs/bench-cpu-kernels-float32.json). Whole forwards of an offline run's steps (`kvfleet bench
+# gemm-rows --dtype float32`, which moves the fused decode step's limit with it): limits 3 / 64 /
+# 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on 110 of the 117 steps of
+# 65-255 rows (docs/bench-gemm-rows-float32-offline.json).
+MIN_ROWS, MAX_ROWS = 4, 128
 
 
 def available() -> bool:

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 # bf16: up to cpu_gemm.MAX_ROWS sequences; float32: cpu_gemm_f32.MIN_ROWS to MAX_ROWS.
-DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "4,8,32,64"}
+DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "4,8,32,128"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -29,7 +29,7 @@ from kvfleet.runtime.config import add_engine_args, engine_config_from_args
 
 # bf16: the AMX kernel's old and current limits. float32: none (the kernel needs 4 rows) and
 # the current limit.
-DEFAULT_CANDIDATES = {"bfloat16": "96,1024", "float32": "3,64"}
+DEFAULT_CANDIDATES = {"bfloat16": "96,1024", "float32": "3,128"}
 # Row-count buckets of the report: decode batches (small, serving-sized, offline-sized), a
 # prompt beside decodes, full prefill steps.
 BUCKETS = (
