@@ -136,3 +136,12 @@ def contiguous_context(cache: torch.Tensor, table: torch.Tensor, length: int) ->
     block_size = cache.shape[1]
     rows = [cache[int(table[p // block_size]), p % block_size] for p in range(length)]
     return torch.stack(rows)
+
+
+def record_rows(monkeypatch, module: object, name: str) -> list[int]:
+    """Wrap `module.name` so each call appends its first argument's row count (shape[0]) to the
+    returned list, then runs the real function: which steps a dispatch sent to a kernel."""
+    rows: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    return rows

@@ -4,7 +4,7 @@ dispatch that routes float32 steps of MIN_ROWS to MAX_ROWS rows to it."""
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import cpu_flags
+from kernel_cases import cpu_flags, record_rows
 from kvfleet.kernels import cpu_gemm_f32, dispatch
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
@@ -58,18 +58,9 @@ def test_reads_strided_and_batched_inputs():
     assert_one_dot_rounding(got.reshape(6, 40), batched.reshape(6, 64), w)
 
 
-def _calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    real = cpu_gemm_f32.linear
-    monkeypatch.setattr(
-        cpu_gemm_f32, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
-    )
-    return calls
-
-
 def test_dispatch_routes_decode_sized_float32_steps(monkeypatch):
     _need_kernel()
-    calls = _calls(monkeypatch)
+    calls = record_rows(monkeypatch, cpu_gemm_f32, "linear")
     w = torch.randn(64, 32)
     lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
     for rows in (lo - 1, lo, hi, hi + 1):
@@ -83,7 +74,7 @@ def test_dispatch_routes_decode_sized_float32_steps(monkeypatch):
 
 def test_disabled_kernels_keep_f_linear(monkeypatch):
     monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
-    calls = _calls(monkeypatch)
+    calls = record_rows(monkeypatch, cpu_gemm_f32, "linear")
     x, w = torch.randn(8, 32), torch.randn(64, 32)
     assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
     assert calls == []

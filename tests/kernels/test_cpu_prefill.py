@@ -13,6 +13,7 @@ from kernel_cases import (
     dense_attention,
     head_major,
     paged_case,
+    record_rows,
 )
 from kvfleet.kernels import cpu_prefill, dispatch, reference
 
@@ -143,19 +144,10 @@ def _mixed_batch(dtype=BF16, block_size=16, activations=BF16):
     return tokens, k, v, meta
 
 
-def _count_kernel_calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    real = cpu_prefill.prefill_attention
-    monkeypatch.setattr(
-        cpu_prefill, "prefill_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
-    )
-    return calls
-
-
 @pytest.mark.parametrize("dtype,block_size", [(BF16, 16), (F32, 16), (F32, 8)])
 def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, dtype, block_size):
     _need_kernel(dtype)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     tokens, k, v, meta = _mixed_batch(dtype, block_size, activations=dtype)
     got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
     assert calls == [40, 9]  # one call per prefill, none for the decodes
@@ -165,7 +157,7 @@ def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, dtype, block_size):
 
 @pytest.mark.parametrize("reason", ["fp8 cache", "bf16 8-token blocks", "kernels off"])
 def test_what_the_kernel_does_not_take_stays_on_sdpa(monkeypatch, reason):
-    calls = _count_kernel_calls(monkeypatch)
+    calls = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     if reason == "fp8 cache":
         tokens, k, v, meta = _mixed_batch(dtype=torch.float8_e4m3fn)
     elif reason == "bf16 8-token blocks":
