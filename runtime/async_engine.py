@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (crash or shutdown); no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine gave up on this one request (it goes on serving the others)."""
+
+
 @dataclass(slots=True, frozen=True)
 class EngineStats:
     """A consistent snapshot of the engine's gauges and counters, published by the engine
@@ -78,6 +82,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loaded: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
+        # Set on the event loop once the engine thread has crashed: the server then exits so
+        # that the pod restarts instead of answering 503 for ever.
+        self.crashed = asyncio.Event()
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,9 +115,10 @@ class AsyncEngine:
 
     @property
     def num_pending(self) -> int:
-        """Requests waiting for admission: still in the inbox or in the engine's waiting queue."""
+        """Sequences waiting for admission, still in the inbox or in the engine's waiting queue
+        (a request with n completions counts n, as the engine queues n sequences for it)."""
         with self._cond:
-            inbox = len(self._adds)
+            inbox = sum(item.params.n for item in self._adds)
         return inbox + self.stats.num_waiting
 
     # --- requests ----------------------------------------------------------------------------
@@ -137,6 +145,9 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     finished = True
                     raise out
+                if out.error is not None:
+                    finished = True
+                    raise RequestFailedError(out.error)
                 finished = out.finished
                 yield out
                 if finished:
@@ -175,6 +186,7 @@ class AsyncEngine:
             log.exception("engine thread crashed")
             self._error = exc
             self._call_loop(self._fail_all, EngineDeadError(f"engine failed: {exc}"))
+            self._call_loop(self.crashed.set)
             return
         self._call_loop(self._fail_all, EngineDeadError("the server is shutting down"))
 

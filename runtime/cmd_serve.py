@@ -3,7 +3,9 @@
 Lifecycle: the HTTP port opens first (so /health answers 503 while the model loads), the
 engine loads in its own thread and passes a short warm-up generation, then /health turns 200.
 SIGTERM (or SIGINT) drains: /health 503, new requests 503, in-flight requests finish within
---drain-timeout, exit 0.
+--drain-timeout, exit 0. Should the engine itself fail (a fault no single request can be blamed
+for), in-flight streams end with an error event, /health turns 503 and the process exits 1, so
+that Kubernetes (or any supervisor) restarts it rather than leaving a pod that answers 503.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer <key>' on the API (default: "
-        f"${contract.API_KEY_ENV}); /health, /metrics and /version stay open",
+        f"${contract.API_KEY_ENV}; an empty key is an error); /health, /metrics and /version "
+        f"stay open",
     )
     g.add_argument(
         "--max-waiting-requests",
@@ -86,6 +89,21 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"max_body_bytes: must be >= 1, got {args.max_body_bytes}")
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key the API requires, or None for none. An empty key is refused rather than taken
+    to mean "no authentication": it is what a Secret with a missing value gives."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ConfigError("api_key: --api-key is empty; omit it to serve without a key")
+        return args.api_key
+    key = os.environ.get(contract.API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ConfigError(
+            f"api_key: ${contract.API_KEY_ENV} is set but empty; unset it to serve without a key"
+        )
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -96,19 +114,21 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         _check_serve_args(args)
+        key = api_key(args)
         config = engine_config_from_args(args)
     except ConfigError as exc:
         print(f"kvfleet serve: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, config))
+    return asyncio.run(_serve(args, config, key))
 
 
-async def _serve(args: argparse.Namespace, config: object) -> int:
+async def _serve(args: argparse.Namespace, config: object, key: str | None) -> int:
     import asyncio
     import signal
 
     from aiohttp import web
     from kvfleet.runtime.async_engine import AsyncEngine
+    from kvfleet.runtime.http_runner import OpenAIAppRunner
     from kvfleet.runtime.runtime_metrics import RuntimeMetrics
     from kvfleet.runtime.served_name import served_model_name
     from kvfleet.runtime.server import OpenAIServer, ServerSettings
@@ -119,12 +139,12 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
     engine = AsyncEngine(config, observer=metrics)  # type: ignore[arg-type]
     settings = ServerSettings(
         model_name=name,
-        api_key=args.api_key or os.environ.get(contract.API_KEY_ENV) or None,
+        api_key=key,
         max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes,
     )
     server = OpenAIServer(engine, metrics, settings)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = OpenAIAppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, shutdown_timeout=5.0)
     try:
@@ -163,7 +183,15 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
     server.ready = True
     log.info("ready: serving %r on http://%s:%s", name, args.host, args.port)
 
-    await stopper
+    crashed = asyncio.create_task(engine.crashed.wait())
+    await asyncio.wait({stopper, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    if crashed.done():
+        log.critical("the engine stopped; exiting so that the process is restarted")
+        # The streams already got their error event; give their last writes a moment.
+        await server.wait_idle(5.0)
+        await runner.cleanup()
+        return 1
+    crashed.cancel()
     server.draining = True
     log.info(
         "draining: %d requests in flight, up to %.0f s", engine.num_in_flight, args.drain_timeout

@@ -19,6 +19,7 @@ from kvfleet.runtime.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kvfleet.runtime.model_runner import ModelRunner, kv_bytes_per_token
+from kvfleet.runtime.prompt_chars import max_prompt_chars
 from kvfleet.runtime.request import CompletionOutput, Request, RequestOutput, TokenLogprob
 from kvfleet.runtime.sampler import Sampler
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -113,6 +114,8 @@ class LLMEngine:
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{mc.max_position_embeddings}"
             )
+        # A text prompt longer than this is refused before tokenizing (None: no such bound).
+        self.max_prompt_chars = max_prompt_chars(self._backend_tokenizer, self.max_model_len)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         per_token = kv_bytes_per_token(mc, self.kv_dtype)
         budget = self._kv_budget(per_token)
@@ -219,6 +222,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        if params.top_k > vocab:
+            raise RequestError(
+                "top_k",
+                f"must be at most the model's vocabulary size {vocab} (or 0 / -1 for no limit), "
+                f"got {params.top_k}",
+            )
         # The sampler indexes each logits row with these ids: one past the vocabulary would raise
         # in the engine thread and stop the engine for every request, so refuse it here.
         too_big = [t for t in params.logit_bias if t >= vocab]
@@ -256,11 +265,11 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.validate(ids, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        children = []
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            r = Request(
-                request_id=rid,
+        # Everything is built before anything is registered, so a failure half-way (a seed
+        # torch refuses, a tokenizer error) leaves no state behind for the siblings built first.
+        children = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 prompt_token_ids=ids,
                 params=params,
                 eos_token_ids=self.eos_token_ids,
@@ -269,14 +278,19 @@ class LLMEngine:
                 index=i,
                 arrival_time=now,
             )
-            children.append(r)
-            self._detok[rid] = IncrementalDetokenizer(
+            for i in range(params.n)
+        ]
+        detoks = {
+            r.request_id: IncrementalDetokenizer(
                 self._backend_tokenizer,
                 params.stop,
                 params.skip_special_tokens,
                 params.include_stop_str_in_output,
             )
+            for r in children
+        }
         self._groups[request_id] = children
+        self._detok.update(detoks)
         self._prompts[request_id] = text
         # Siblings are queued together: the first one's prompt blocks are published when they
         # are allocated, so the others hit them in the same step (n > 1 shares the prompt).
@@ -336,19 +350,81 @@ class LLMEngine:
             r.num_computed_tokens += n
         for r, entries in result.prompt_logprobs:
             r.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
+        outputs: list[RequestOutput] = []
         touched: dict[str, None] = {}
         if result.sample_rows:
-            tokens, logprobs = self.sampler(result.logits, result.sample_rows)
+            picks = self._sample(result.logits, result.sample_rows)
             now = time.monotonic()
-            for r, tok, lp in zip(result.sample_rows, tokens, logprobs, strict=True):
-                self._append_token(r, tok, lp, now)
-                touched[r.group_id] = None
+            for r, pick in zip(result.sample_rows, picks, strict=True):
+                if r.finished:  # a sibling failed earlier in this loop and took the group down
+                    continue
+                try:
+                    if isinstance(pick, Exception):
+                        raise pick
+                    self._append_token(r, *pick, now)
+                except Exception as exc:
+                    touched.pop(r.group_id, None)
+                    outputs.append(self._fail_group(r.group_id, exc))
+                else:
+                    touched[r.group_id] = None
         # An output's prompt logprobs are complete or absent. Siblings queue behind the first
         # one, so today none samples before the prompt is scored; should one, its group just
         # reports later (outputs are cumulative).
-        return [
-            self._output(g) for g in touched if self._groups[g][0].prompt_logprob_position is None
-        ]
+        for g in touched:
+            if self._groups[g][0].prompt_logprob_position is not None:
+                continue
+            try:
+                outputs.append(self._output(g))
+            except Exception as exc:
+                outputs.append(self._fail_group(g, exc))
+        return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[Request]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each row's (token, logprob); where sampling the batch fails, the rows are sampled one
+        at a time so that only the requests whose own rows fail get an exception."""
+        try:
+            tokens, logprobs = self.sampler(logits, rows)
+            return list(zip(tokens, logprobs, strict=True))
+        except Exception:
+            log.warning(
+                "sampling %d rows failed; sampling them one by one", len(rows), exc_info=True
+            )
+        picks: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, r in enumerate(rows):
+            try:
+                tokens, logprobs = self.sampler(logits[i : i + 1], [r])
+                picks.append((tokens[0], logprobs[0]))
+            except Exception as exc:
+                picks.append(exc)
+        return picks
+
+    def _fail_group(self, group_id: str, exc: Exception) -> RequestOutput:
+        """Give up on one request: every completion of it finishes with reason "error" (blocks
+        freed at once) and the returned output tells its client why. Nobody else is touched."""
+        log.error("request %s failed; the engine goes on", group_id, exc_info=exc)
+        children = self._groups[group_id]
+        now = time.monotonic()
+        for r in children:
+            if not r.finished:
+                self.scheduler.finish(r, "error")
+                self._on_finished(r, now)
+        out = RequestOutput(
+            request_id=group_id,
+            prompt=self._prompts.get(group_id),
+            prompt_token_ids=children[0].prompt_token_ids,
+            outputs=[
+                CompletionOutput(r.index, r.output_text, r.output_token_ids, r.finish_reason)
+                for r in children
+            ],
+            finished=True,
+            num_cached_tokens=children[0].num_cached_tokens,
+            error=f"the engine could not finish this request: {type(exc).__name__}: "
+            f"{str(exc)[:200]}",
+        )
+        self._forget(group_id)
+        return out
 
     def _append_token(self, r: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         r.all_token_ids.append(token)

@@ -6,6 +6,7 @@ whose message names the field and the limit, rendered in OpenAI's error shape.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -21,6 +22,11 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # JSON has no -Infinity: a token the sampler could never pick is reported as this (as vLLM does).
 LOGPROB_FLOOR = -9999.0
+# Every integer field is a signed 64-bit integer (as in vLLM); field-specific ranges come on top.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# No OpenAI request nests deeper than a few levels (content parts, chat_template_kwargs); a
+# limit keeps every walk over a body far from Python's recursion limit.
+MAX_JSON_DEPTH = 32
 
 TokenText = Callable[[int], str]
 
@@ -95,6 +101,61 @@ class ChatRequest:
     template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
 
 
+# --- the body --------------------------------------------------------------------------------
+def parse_json_body(raw: bytes) -> Any:
+    """The decoded JSON of a request body, refused (400) when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds a string that is not valid Unicode (a lone surrogate such as
+    "\\ud800", which JSON's escapes allow but no tokenizer takes)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"body: not valid JSON ({exc})", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise APIError(
+            400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from exc
+    _check_json_tree(body)
+    return body
+
+
+def _check_json_tree(body: Any) -> None:
+    # Iterative, so that its own depth never matters.
+    stack: list[tuple[Any, str, int]] = [(body, "body", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, where)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise APIError(
+                400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, where)
+                stack.append((item, key if where == "body" else f"{where}.{key}", depth + 1))
+        else:
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_unicode(text: str, where: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise APIError(
+            400,
+            f"{where}: holds {bad!r} at position {exc.start}, a lone surrogate that is not a "
+            f"Unicode character; encode the text as UTF-8 (surrogate pairs must come in pairs)",
+            param=where,
+            code="invalid_unicode",
+        ) from exc
+
+
 # --- field access ----------------------------------------------------------------------------
 _TYPE_NAMES = {
     bool: "a boolean",
@@ -133,13 +194,23 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> An
         raise APIError(
             400, f"{name}: must be {_TYPE_NAMES[kind]}, got {_type_name(value)}", param=name
         )
+    if kind is int and not INT64_MIN <= value <= INT64_MAX:
+        raise APIError(400, f"{name}: must fit a signed 64-bit integer, got {value}", param=name)
     return value
+
+
+def _is_int(value: Any) -> bool:
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+    )
 
 
 def _int_list(body: dict[str, Any], name: str) -> list[int]:
     value = _get(body, name, list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise APIError(400, f"{name}: must be an array of integers", param=name)
+    if not all(_is_int(t) for t in value):
+        raise APIError(
+            400, f"{name}: must be an array of integers (each a signed 64-bit one)", param=name
+        )
     return value
 
 
@@ -304,9 +375,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
     def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x
-        )
+        return isinstance(x, list) and all(_is_int(t) for t in x)
 
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -337,7 +406,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
-    _reject_unsupported(body)
+    _reject_unsupported(body, ("chat_template",))
     messages = _messages(body.get("messages"))
     stream = _get(body, "stream", bool, False)
     max_tokens = _get(body, "max_completion_tokens", int)
@@ -432,6 +501,8 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
     """Validate a /tokenize body: exactly one of `prompt` (a string) and `messages`."""
     if not isinstance(body, dict):
         raise APIError(400, f"body: must be a JSON object, got {_type_name(body)}")
+    if body.get("chat_template") is not None:
+        raise _unsupported("chat_template")
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise APIError(
@@ -474,13 +545,21 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                 f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 param=f"{where}.role",
             )
-        out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), where)})
+        out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), where, role)})
     return out
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, role: str) -> str:
     if content is None:
-        return ""
+        # As OpenAI: only an assistant turn may come without content (it called tools).
+        if role == "assistant":
+            return ""
+        raise APIError(
+            400,
+            f"{where}.content: is required in a {role} message (a string or an array of text "
+            f"parts), got null",
+            param=f"{where}.content",
+        )
     if isinstance(content, str):
         return content
     if isinstance(content, list):

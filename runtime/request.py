@@ -42,7 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] | None = None
@@ -61,7 +61,9 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+            # Wrapped to 64 bits: a seed near the top of its range plus the index must still be
+            # a seed torch accepts.
+            self.generator = torch.Generator().manual_seed((self.params.seed + self.index) % 2**64)
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.index == 0:
@@ -126,3 +128,6 @@ class RequestOutput:
     # Complete once present (outputs wait for it) and shared by every completion; not a copy,
     # so treat it as read-only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Set when the engine gave up on this request alone (its finish_reason is then "error"):
+    # what went wrong, for the client. The engine itself goes on serving the others.
+    error: str | None = None

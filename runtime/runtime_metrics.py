@@ -95,7 +95,7 @@ REQUEST_BUCKETS = (
 # Token counts per request: 1-2-5 steps (vLLM's scheme) up to a million tokens of context.
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class RuntimeMetrics:
@@ -163,9 +163,9 @@ class RuntimeMetrics:
             self._itl.observe(max(now - request.last_token_time, 0.0))
 
     def on_finished(self, request: Request, now: float) -> None:
-        # Aborted requests are counted by reason but left out of the latency histogram: a
-        # client hanging up says nothing about how fast the server is.
-        if request.finish_reason == "abort":
+        # Aborted and failed requests are counted by reason but left out of the latency
+        # histograms: a client hanging up says nothing about how fast the server is.
+        if request.finish_reason in ("abort", "error"):
             return
         self._e2e.observe(max(now - request.arrival_time, 0.0))
         self._prompt_tokens.observe(request.num_prompt_tokens)

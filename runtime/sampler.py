@@ -22,7 +22,8 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: float32 [len(requests), vocab] on CPU."""
+        """logits: float32 [len(requests), vocab] on CPU, left unchanged (the engine samples
+        rows again one by one when a batch fails, from the same logits)."""
         # Returned logprobs are the model's own distribution: taken before logit_bias, penalties
         # and min_tokens, as vLLM's default does, so a forced token shows how unlikely it was.
         raw_logprobs = None
@@ -64,12 +65,17 @@ class Sampler:
         rows = [i for i, bias in biased for _ in bias]
         cols = [t for _, bias in biased for t in bias]
         values = [v for _, bias in biased for v in bias.values()]
-        logits[torch.tensor(rows), torch.tensor(cols)] += torch.tensor(values, dtype=logits.dtype)
-        return logits
+        index = (torch.tensor(rows), torch.tensor(cols))
+        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype), accumulate=True)
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Penalties and min_tokens: per request, only for the requests that use them."""
+        if not any(
+            r.params.uses_penalties or r.num_output_tokens < r.params.min_tokens for r in requests
+        ):
+            return logits
+        logits = logits.clone()
         for i, r in enumerate(requests):
             p = r.params
             if p.uses_penalties:

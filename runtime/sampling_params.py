@@ -18,6 +18,14 @@ MAX_LOGPROBS = 20
 # OpenAI's limits for logit_bias, kept so that a request valid there is valid here.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Below this temperature, dividing logits by it overflows float32 (1e-300 would give inf logits
+# and a NaN distribution); the limit T -> 0 of sampling is greedy, so it is treated as greedy.
+MIN_TEMPERATURE = 1e-5
+# Dividing or multiplying logits by a penalty outside this range overflows them or flattens
+# them to zero; HF's and vLLM's useful values lie well inside it.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# vLLM's bound: the seed of a request (as any integer field) must fit a signed 64-bit integer.
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass(slots=True)
@@ -25,14 +33,14 @@ class SamplingParams:
     """How to pick each next token, and when to stop. Defaults match the OpenAI API's."""
 
     n: int = 1
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # in SEED_RANGE; completion i of n draws from seed + i
     max_tokens: int | None = 16  # None = up to max_model_len
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
@@ -66,10 +74,11 @@ class SamplingParams:
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        low, high = REPETITION_PENALTY_RANGE
         check(
-            self.repetition_penalty > 0.0,
+            low <= self.repetition_penalty <= high,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
+            f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}",
         )
         check(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -81,6 +90,9 @@ class SamplingParams:
             "frequency_penalty",
             f"must be in [-2, 2], got {self.frequency_penalty}",
         )
+        if self.seed is not None:
+            low, high = SEED_RANGE
+            check(low <= self.seed <= high, "seed", f"must be in [{low}, {high}], got {self.seed}")
         if self.max_tokens is not None:
             check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
@@ -132,7 +144,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

@@ -1,24 +1,28 @@
 """The OpenAI-compatible HTTP server: aiohttp routes over an AsyncEngine.
 
-Handlers parse and validate (openai_protocol), tokenize, then await the engine's per-request
-stream; they never run a forward pass. Admission is refused (503) while loading, while
-draining, and when more than `max_waiting_requests` are already queued.
+Handlers parse and validate (openai_protocol), tokenize in a worker thread (the event loop
+never waits on a tokenizer or a chat template), then await the engine's per-request stream;
+they never run a forward pass. Admission is refused (503) while loading, while draining, and
+when more than `max_waiting_requests` sequences are already queued. Every error, expected or
+not, reaches the client in OpenAI's shape: a response, or an error event ending a stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from kvfleet.runtime import openai_protocol as proto
-from kvfleet.runtime.async_engine import EngineDeadError
+from kvfleet.runtime.async_engine import EngineDeadError, RequestFailedError
 from kvfleet.runtime.openai_protocol import APIError
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
     from kvfleet.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OPEN_PATHS = frozenset({contract.HEALTH_PATH, contract.METRICS_PATH, contract.VERSION_PATH})
 RETRY_AFTER_S = 1
@@ -63,6 +68,10 @@ class OpenAIServer:
         self._idle.set()
         self._created = proto.now()
         self._token_text_cache: dict[int, str] = {}
+        # Tokenizing and template rendering run here, off the event loop. One thread: the HF
+        # tokenizer is not safe to call from several at once, and it releases the GIL while it
+        # encodes, so /health and the streams keep going.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-tokenizer")
 
     # --- app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -79,7 +88,11 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.on_cleanup.append(self._close)
         return app
+
+    async def _close(self, app: web.Application) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no API request is in flight; False if `timeout` passed first."""
@@ -96,14 +109,14 @@ class OpenAIServer:
     ) -> web.StreamResponse:
         try:
             return await handler(request)
-        except APIError as exc:
-            return _error_response(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             return _error_response(APIError(exc.status, exc.reason or str(exc)))
-        except EngineDeadError as exc:
-            return _error_response(APIError(503, str(exc), code="engine_unavailable"))
+        except ConnectionError:
+            raise  # the client is gone: nobody to answer
+        except Exception as exc:
+            return _error_response(api_error(exc, request))
 
     @web.middleware
     async def _auth(
@@ -126,12 +139,12 @@ class OpenAIServer:
 
     # --- open endpoints ----------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if self.ready and not self.engine.is_alive:
+            return web.json_response({"status": "engine stopped"}, status=503)
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         if not self.ready:
             return web.json_response({"status": "loading"}, status=503)
-        if not self.engine.is_alive:
-            return web.json_response({"status": "engine stopped"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -158,15 +171,23 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = proto.parse_completion_request(body)
-        self._admit(req.model, len(req.prompts))
+        self._admit(req.model, len(req.prompts) * req.params.n)
         engine = self._engine()
-        prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+
+        def prepare() -> tuple[list[list[int]], list[str] | None]:
+            prompts = [
+                self._encode(engine, p, "prompt") if isinstance(p, str) else list(p)
+                for p in req.prompts
+            ]
+            echo = None
+            if req.echo:
+                echo = [
+                    p if isinstance(p, str) else engine.tokenizer.decode(p) for p in req.prompts
+                ]
+            return prompts, echo
+
+        prompts, echo_texts = await self._off_loop(prepare)
         self._validate(prompts, req.params)
-        echo_texts = (
-            [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in req.prompts]
-            if req.echo
-            else None
-        )
         with self._track():
             if req.stream:
                 return await self._stream_completion(request, req, prompts, echo_texts)
@@ -175,11 +196,16 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = proto.parse_chat_request(body)
-        self._admit(req.model, 1)
+        self._admit(req.model, req.params.n)
         engine = self._engine()
-        text = _render_chat(engine, req.messages, req.template)
-        prompt = engine.encode(text, add_special_tokens=False)  # the template wrote them
-        self._validate([prompt], req.params)
+
+        def prepare() -> list[int]:
+            text = _render_chat(engine, req.messages, req.template)
+            # The template wrote the special tokens: none are added.
+            return self._encode(engine, text, "messages", add_special_tokens=False)
+
+        prompt = await self._off_loop(prepare)
+        self._validate([prompt], req.params, prompt_field="messages")
         with self._track():
             if req.stream:
                 return await self._stream_chat(request, req, prompt)
@@ -190,12 +216,17 @@ class OpenAIServer:
         req = proto.parse_tokenize_request(await self._json(request))
         self._check_model(req.model)
         engine = self._engine()
-        if req.messages is not None:
-            text = _render_chat(engine, req.messages, req.template)
-        else:
-            text = req.prompt or ""
-        ids = engine.encode(text, req.add_special_tokens)
-        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+
+        def run() -> tuple[list[int], list[str] | None]:
+            if req.messages is not None:
+                text = _render_chat(engine, req.messages, req.template)
+            else:
+                text = req.prompt or ""
+            ids = engine.encode(text, req.add_special_tokens)
+            strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return ids, strs
+
+        ids, strs = await self._off_loop(run)
         return web.json_response(
             {
                 "count": len(ids),
@@ -215,7 +246,27 @@ class OpenAIServer:
             raise APIError(
                 400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}", param="tokens"
             )
-        return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+        text = await self._off_loop(lambda: engine.tokenizer.decode(tokens))
+        return web.json_response({"prompt": text})
+
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (tokenizing, rendering a template) in the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+
+    @staticmethod
+    def _encode(engine: Any, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids; a text too long to fit max_model_len tokens whatever it holds
+        is refused by its length before the tokenizer spends time on it."""
+        limit = engine.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(
+                400,
+                f"{field}: {len(text)} characters cannot fit in max_model_len "
+                f"{engine.max_model_len} tokens (at most {limit} characters could)",
+                param=field,
+                code="context_length_exceeded",
+            )
+        return engine.encode(text, add_special_tokens=add_special_tokens)
 
     # --- admission ---------------------------------------------------------------------------
     async def _json(self, request: web.Request) -> Any:
@@ -241,22 +292,30 @@ class OpenAIServer:
                 f"body: {len(raw)} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
                 code="body_too_large",
             )
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"body: not valid JSON ({exc})", code="invalid_json") from exc
+        return proto.parse_json_body(raw)
 
-    def _admit(self, model: str | None, num_requests: int) -> None:
+    def _admit(self, model: str | None, num_sequences: int) -> None:
+        """Refuse a request the queue has no room for: it would queue `num_sequences`
+        sequences (prompts x n), as many as it asks the engine to generate."""
         if self.draining:
             raise _unavailable("the server is shutting down; retry on another replica")
         if not self.ready:
             raise _unavailable("the model is still loading")
         self._check_model(model)
-        pending = self.engine.num_pending
         limit = self.settings.max_waiting_requests
-        if pending + num_requests > limit:
+        if num_sequences > limit:
+            # No amount of waiting makes room for it: a client error, not a 503 to retry.
+            raise APIError(
+                400,
+                f"n: the request asks for {num_sequences} sequences (prompts x n), more than "
+                f"the {limit} this server queues (--max-waiting-requests)",
+                param="n",
+                code="too_many_sequences",
+            )
+        pending = self.engine.num_pending
+        if pending + num_sequences > limit:
             raise _unavailable(
-                f"{pending} requests are already waiting (--max-waiting-requests {limit}); "
+                f"{pending} sequences are already waiting (--max-waiting-requests {limit}); "
                 f"retry after {RETRY_AFTER_S} s",
                 code="queue_full",
             )
@@ -277,14 +336,20 @@ class OpenAIServer:
             raise _unavailable("the model is still loading")
         return engine
 
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _validate(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_field: str = "prompt"
+    ) -> None:
+        """Check each prompt against the engine's limits; a chat's prompt is its messages."""
         from kvfleet.runtime.engine import RequestError
 
         for ids in prompts:
             try:
                 self.engine.engine.validate(ids, params)  # type: ignore[union-attr]
             except RequestError as exc:
-                raise APIError(400, str(exc), param=exc.field) from exc
+                if exc.field != "prompt":
+                    raise APIError(400, str(exc), param=exc.field) from exc
+                message = f"{prompt_field}: {str(exc).removeprefix('prompt: ')}"
+                raise APIError(400, message, param=prompt_field) from exc
 
     def _track(self) -> _Tracker:
         return _Tracker(self)
@@ -404,6 +469,22 @@ class OpenAIServer:
             }
         )
 
+    async def _stream(
+        self, request: web.Request, sse: _SSE, events: Callable[[], Awaitable[dict[str, int]]]
+    ) -> web.StreamResponse:
+        """Open the stream, send `events()`'s chunks, end with usage and [DONE]; once the 200
+        is out, whatever fails ends the stream with an error event and [DONE] instead."""
+        await sse.open()
+        try:
+            usage = await events()
+        except ConnectionError:
+            raise  # the client is gone: nobody to tell
+        except Exception as exc:
+            await sse.error(api_error(exc, request))
+        else:
+            await sse.finish(usage)
+        return sse.response
+
     async def _stream_completion(
         self,
         request: web.Request,
@@ -415,17 +496,17 @@ class OpenAIServer:
         sse = _SSE(
             request, f"cmpl-{uuid.uuid4().hex}", "text_completion", self.settings, req.include_usage
         )
-        await sse.open()
-        cursors = {(i, k): proto.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
-        # A scored echo waits for the prompt's logprobs, which come with the first output.
-        scored_echo = echo is not None and req.params.prompt_logprobs is not None
-        if echo and not scored_echo:
-            for i, text in enumerate(echo):
-                for k in range(n):
-                    await sse.send([_text_choice(i * n + k, text, None, None)])
-        echo_pending = set(range(len(prompts))) if scored_echo else set()
-        completion_tokens = 0
-        try:
+
+        async def events() -> dict[str, int]:
+            cursors = {(i, k): proto.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
+            # A scored echo waits for the prompt's logprobs, which come with the first output.
+            scored_echo = echo is not None and req.params.prompt_logprobs is not None
+            if echo and not scored_echo:
+                for i, text in enumerate(echo):
+                    for k in range(n):
+                        await sse.send([_text_choice(i * n + k, text, None, None)])
+            echo_pending = set(range(len(prompts))) if scored_echo else set()
+            completion_tokens = 0
             async for i, out in self._outputs(prompts, req.params):
                 if i in echo_pending:
                     assert echo is not None
@@ -451,11 +532,9 @@ class OpenAIServer:
                         completion_tokens += len(c.token_ids)
                 if chunk:
                     await sse.send(chunk)
-        except EngineDeadError as exc:
-            await sse.error(APIError(503, str(exc), code="engine_unavailable"))
-            return sse.response
-        await sse.finish(proto.usage(sum(map(len, prompts)), completion_tokens))
-        return sse.response
+            return proto.usage(sum(map(len, prompts)), completion_tokens)
+
+        return await self._stream(request, sse, events)
 
     async def _stream_chat(
         self, request: web.Request, req: proto.ChatRequest, prompt: list[int]
@@ -467,14 +546,17 @@ class OpenAIServer:
             self.settings,
             req.include_usage,
         )
-        await sse.open()
         n = req.params.n
-        cursors = [proto.ChoiceCursor() for _ in range(n)]
-        await sse.send(
-            [_chat_choice(k, {"role": "assistant", "content": ""}, None, None) for k in range(n)]
-        )
-        completion_tokens = 0
-        try:
+
+        async def events() -> dict[str, int]:
+            cursors = [proto.ChoiceCursor() for _ in range(n)]
+            await sse.send(
+                [
+                    _chat_choice(k, {"role": "assistant", "content": ""}, None, None)
+                    for k in range(n)
+                ]
+            )
+            completion_tokens = 0
             async for _, out in self._outputs([prompt], req.params):
                 chunk = []
                 finals = []
@@ -497,11 +579,9 @@ class OpenAIServer:
                     await sse.send(chunk)
                 if finals:
                     await sse.send(finals)
-        except EngineDeadError as exc:
-            await sse.error(APIError(503, str(exc), code="engine_unavailable"))
-            return sse.response
-        await sse.finish(proto.usage(len(prompt), completion_tokens))
-        return sse.response
+            return proto.usage(len(prompt), completion_tokens)
+
+        return await self._stream(request, sse, events)
 
 
 class _Tracker:
@@ -564,9 +644,11 @@ class _SSE:
         await self.response.write_eof()
 
     async def error(self, exc: APIError) -> None:
-        await self._write(json.dumps(exc.body()))
-        await self._write("[DONE]")
-        await self.response.write_eof()
+        """End the stream with an error event and [DONE] (if the client is still there)."""
+        with contextlib.suppress(ConnectionError):
+            await self._write(json.dumps(exc.body()))
+            await self._write("[DONE]")
+            await self.response.write_eof()
 
 
 def _scored_prompt(out: RequestOutput) -> list[tuple[int, TokenLogprob | None]] | None:
@@ -599,6 +681,28 @@ def _render_chat(
         raise APIError(
             400, f"messages: the chat template rejected them: {exc}", param="messages"
         ) from exc
+
+
+def api_error(exc: Exception, request: web.Request) -> APIError:
+    """What the client is told of an exception: its own error for the expected ones, and for a
+    bug a 500 that names the request in the log where its traceback is."""
+    from kvfleet.runtime.engine import RequestError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc), param=exc.field)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="request_failed")
+    request_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s on %s %s", request_id, request.method, request.path, exc_info=exc)
+    return APIError(
+        500,
+        f"internal error {request_id} while handling the request; the server logged it",
+        code="internal_error",
+    )
 
 
 def _unavailable(message: str, code: str = "unavailable") -> APIError:

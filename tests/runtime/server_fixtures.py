@@ -55,6 +55,20 @@ def request(
         conn.close()
 
 
+def assert_error(r: HTTPResult, status: int, param: str | None = None, *words: str) -> dict:
+    """`r` is an OpenAI error object with this status and `param`, its message holding every
+    one of `words`; returns the error."""
+    assert r.status == status, r.body[:500]
+    assert r.headers.get("content-type", "").startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err["message"]
+    return err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,14 +121,22 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(model: Path | str, log_dir: Path, *args: str) -> ServerProcess:
-    """Start `kvfleet serve --model MODEL ARGS` on a free port (not yet waited for)."""
+def start_server(
+    model: Path | str,
+    log_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    launcher: Path | None = None,
+) -> ServerProcess:
+    """Start `kvfleet serve --model MODEL ARGS` on a free port (not yet waited for); `env`
+    adds to (or overrides) the environment, where KVFLEET_API_KEY is otherwise unset.
+    `launcher`: a script run instead of the CLI module, with the same arguments."""
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
+    program = [str(launcher)] if launcher else ["-m", "kvfleet.runtime.cli"]
     cmd = [
         sys.executable,
-        "-m",
-        "kvfleet.runtime.cli",
+        *program,
         "serve",
         "--model",
         str(model),
@@ -130,10 +152,11 @@ def start_server(model: Path | str, log_dir: Path, *args: str) -> ServerProcess:
         "1",
         *args,
     ]
-    env = {**os.environ}
-    env.pop("KVFLEET_API_KEY", None)
+    full_env = {**os.environ}
+    full_env.pop("KVFLEET_API_KEY", None)
+    full_env.update(env or {})
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     return ServerProcess(proc, port, log_path)
 
 

@@ -13,6 +13,7 @@ import pytest
 from server_fixtures import (
     HTTPResult,
     ServerProcess,
+    assert_error,
     metric,
     request,
     running_server,
@@ -56,17 +57,6 @@ def model(tiny_llama_dir: Path) -> str:
 
 def post(server: ServerProcess, path: str, body: object, **headers: str) -> HTTPResult:
     return request(server.port, "POST", path, body, headers={**AUTH, **headers})
-
-
-def assert_error(r: HTTPResult, status: int, param: str | None = None, *words: str) -> dict:
-    assert r.status == status, r.body
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["param"] == param
-    for w in words:
-        assert w in err["message"], err["message"]
-    return err
 
 
 def test_api_key_is_required_on_the_api_only(server, model):
