@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/kvfleet bench throughput --model $(MODEL) --baseline hf --json docs/bench-throughput.json
+	$(BIN)/kvfleet bench throughput --model $(MODEL) --baseline hf --json docs/results/bench-throughput.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

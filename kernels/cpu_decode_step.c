@@ -7,8 +7,8 @@
  * kernel (tests/runtime/test_decode_step.py compares them), and Python makes one call a step.
  * On the 2-core host a bundled-model decode step (400-token contexts) went 26.6 -> 16.1 ms at
  * 1 sequence, 35.0 -> 23.0 at 8 and 69.1 -> 53.5 at 32 (medians, `kvfleet bench decode-step`,
- * docs/bench-decode-step.json). The Python and ctypes work alone measures ~4 ms a step (kernels
- * stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
+ * docs/results/bench-decode-step.json). The Python and ctypes work alone measures ~4 ms a step
+ * (kernels stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
  * attributed (the OpenMP wait policy did not change it).
  *
  * kvfleet_decode_step_bf16 takes decode-only steps (up to cpu_gemm.MAX_ROWS sequences, where the

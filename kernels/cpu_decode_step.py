@@ -5,9 +5,9 @@ The C side chains the kernels the per-op path calls per layer (RMSNorm + qkv, ro
 write, decode attention, o, RMSNorm + gate/up, SiLU-and-mul + down) in the same order on the same
 inputs: the same bits, with one Python call a step instead of six per layer. On the 2-core host
 that took a bf16 bundled-model decode step from 26.6 to 16.1 ms at 1 sequence and from 69.1 to
-53.5 ms at 32 (medians, `kvfleet bench decode-step`, docs/bench-decode-step.json), and on an
-AVX-512-only host a float32 one from 41.9 to 32.8 ms at 4 sequences, 87.2 to 73.6 at 32 and
-293.6 to 275.3 at 128 (`--dtype float32`, docs/bench-decode-step-float32.json).
+53.5 ms at 32 (medians, `kvfleet bench decode-step`, docs/results/bench-decode-step.json), and
+on an AVX-512-only host a float32 one from 41.9 to 32.8 ms at 4 sequences, 87.2 to 73.6 at 32
+and 293.6 to 275.3 at 128 (`--dtype float32`, docs/results/bench-decode-step-float32.json).
 
 Two forms, by the model's dtype. bf16: weights prepacked for the AMX GEMM, head-major bf16
 caches, up to `cpu_gemm.MAX_ROWS` sequences. float32 (the CPU default without AVX512-BF16):

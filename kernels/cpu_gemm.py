@@ -20,11 +20,11 @@ from kvfleet.kernels import cpu_library
 
 # Row counts this kernel takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
 # faster; at 128-1024 rows (a serving batch's decodes plus a new prompt) it computes 1.1x faster
-# (`kvfleet bench cpu-kernels`, docs/bench-cpu-kernels-1024.json); on a real run's steps, capped
-# at 32 sequences, the forward took a median 0.81x the time with this limit than with 96
-# (faster in 82 of 88 steps, `kvfleet bench gemm-rows`, docs/bench-gemm-rows-c32.json). At
-# 2048 rows oneDNN's blocking wins (1.13x, docs/bench-gemm-rows-offline.json): full prefill
-# steps stay there.
+# (`kvfleet bench cpu-kernels`, docs/results/bench-cpu-kernels-1024.json); on a real run's
+# steps, capped at 32 sequences, the forward took a median 0.81x the time with this limit than
+# with 96 (faster in 82 of 88 steps, `kvfleet bench gemm-rows`,
+# docs/results/bench-gemm-rows-c32.json). At 2048 rows oneDNN's blocking wins (1.13x,
+# docs/results/bench-gemm-rows-offline.json): full prefill steps stay there.
 MAX_ROWS = 1024
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32

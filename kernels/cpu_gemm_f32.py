@@ -15,10 +15,10 @@ from kvfleet.kernels import cpu_library
 # 2-core AVX-512 host: 1.25-1.40x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.53x at 32,
 # 1.43x at 48, 1.39x at 64, 1.10x at 96 and 0.96x at 128 (rows in lanes); slower at 1-2 rows
 # (MKL's GEMV streams the weight faster) (`kvfleet bench cpu-kernels`,
-# docs/bench-cpu-kernels-float32.json). Whole forwards of an offline run's steps (`kvfleet bench
-# gemm-rows --dtype float32`, which moves the fused decode step's limit with it): limits 3 / 64 /
-# 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on 110 of the 117 steps of
-# 65-255 rows (docs/bench-gemm-rows-float32-offline.json).
+# docs/results/bench-cpu-kernels-float32.json). Whole forwards of an offline run's steps
+# (`kvfleet bench gemm-rows --dtype float32`, which moves the fused decode step's limit with it):
+# limits 3 / 64 / 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on 110 of
+# the 117 steps of 65-255 rows (docs/results/bench-gemm-rows-float32-offline.json).
 MIN_ROWS, MAX_ROWS = 4, 128
 
 
