@@ -1,2 +1,3 @@
-"""kvfleet.kernels: attention and cache ops — Triton kernels with torch references behind one
-dispatch (`kvfleet.kernels.dispatch`). Kept import-light: the dispatch module pulls in torch."""
+"""kvfleet.kernels: attention and cache ops — Triton kernels (`triton/`) and C kernels for the CPU
+(`cpu/`) with torch references (`reference`) behind one dispatch (`kvfleet.kernels.dispatch`);
+their benchmarks in `bench/`. Kept import-light: the dispatch module pulls in torch."""

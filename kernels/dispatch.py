@@ -13,7 +13,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from kvfleet.kernels import (
+from kvfleet.kernels import reference
+from kvfleet.kernels.cpu import (
     cpu_argmax,
     cpu_attention,
     cpu_cache,
@@ -23,7 +24,6 @@ from kvfleet.kernels import (
     cpu_gemm_f32,
     cpu_linear,
     cpu_prefill,
-    reference,
 )
 from kvfleet.kernels.metadata import AttentionMetadata
 
@@ -173,7 +173,7 @@ def decode_stack(
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
     if use_triton(key):
-        from kvfleet.kernels import triton_cache
+        from kvfleet.kernels.triton import triton_cache
 
         triton_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         return
@@ -189,7 +189,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for a mixed batch (decodes first) reading K/V from the paged cache."""
     if use_triton(query):
-        from kvfleet.kernels import triton_attention
+        from kvfleet.kernels.triton import triton_attention
 
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     # Decodes of CPU tensors on head-major caches go to the C kernel (several times faster than
@@ -215,7 +215,7 @@ def rms_norm(x, weight, eps, residual=None):
     """(norm(x + residual) * weight in x's dtype, x + residual in float32). A float32
     `residual` may be updated in place to become the second result: callers must not reuse it."""
     if use_triton(x):
-        from kvfleet.kernels import triton_rms_norm
+        from kvfleet.kernels.triton import triton_rms_norm
 
         return triton_rms_norm.rms_norm(x, weight, eps, residual)
     return cpu_elementwise.rms_norm(x, weight, eps, residual)
@@ -224,7 +224,7 @@ def rms_norm(x, weight, eps, residual=None):
 def silu_and_mul(x):
     """SwiGLU's gate: silu(x[..., :d]) * x[..., d:]."""
     if use_triton(x):
-        from kvfleet.kernels import triton_silu_and_mul
+        from kvfleet.kernels.triton import triton_silu_and_mul
 
         return triton_silu_and_mul.silu_and_mul(x)
     return cpu_elementwise.silu_and_mul(x)
@@ -239,7 +239,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):
     """Rotate q and k by their positions; returns (q, k)."""
     if use_triton(query):
-        from kvfleet.kernels import triton_rotary
+        from kvfleet.kernels.triton import triton_rotary
 
         return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
     return cpu_elementwise.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)

@@ -1,5 +1,5 @@
 """`kvfleet bench decode-step`: one decode step of the model, run op by op (six kernel calls per
-layer from Python) and as one fused C call (`kvfleet.kernels.cpu_decode_step`), at several
+layer from Python) and as one fused C call (`kvfleet.kernels.cpu.cpu_decode_step`), at several
 batch sizes, in one run.
 
 Each batch size first checks that the two give the same hidden states to the bit (both run
@@ -115,7 +115,7 @@ class _Batch:
 
 def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
     """Check the two paths give the same bits, then time them alternately."""
-    from kvfleet.kernels import cpu_decode_step
+    from kvfleet.kernels.cpu import cpu_decode_step
 
     cpu_decode_step.ENABLED = True
     fused, _ = batch.step()
@@ -144,7 +144,7 @@ def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
 def _row_limits(torch, dtype) -> tuple[int, int]:
     """The batch sizes the fused call takes in `dtype` (those the per-op path runs on the same
     GEMM kernel)."""
-    from kvfleet.kernels import cpu_gemm, cpu_gemm_f32
+    from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
     if dtype == torch.bfloat16:
         return 1, cpu_gemm.MAX_ROWS
@@ -153,7 +153,7 @@ def _row_limits(torch, dtype) -> tuple[int, int]:
 
 def measure(model: str, sequences: list[int], context: int, iters: int, dtype_name: str) -> dict:
     import torch
-    from kvfleet.kernels import cpu_decode_step
+    from kvfleet.kernels.cpu import cpu_decode_step
     from kvfleet.runtime.engine import resolve_dtype
     from kvfleet.runtime.loader import load_model
 
@@ -192,7 +192,7 @@ def measure(model: str, sequences: list[int], context: int, iters: int, dtype_na
 
 def _default_sequences(dtype_name: str) -> str:
     if dtype_name == "auto":
-        from kvfleet.kernels import cpu_features
+        from kvfleet.kernels.cpu import cpu_features
 
         dtype_name = "bfloat16" if cpu_features.native_bf16() else "float32"
     return DEFAULT_SEQUENCES[dtype_name]

@@ -75,7 +75,7 @@ class PairedForward:
     the kernel module whose MAX_ROWS the candidates set (default the AMX one)."""
 
     def __init__(self, forward: Any, candidates: list[int], gemm: Any = None) -> None:
-        from kvfleet.kernels import cpu_gemm
+        from kvfleet.kernels.cpu import cpu_gemm
 
         self._gemm = gemm or cpu_gemm
         self._forward = forward
@@ -141,7 +141,7 @@ def _summary(ratios: list[float]) -> dict[str, Any]:
 def routed_kernel(device: Any, dtype: Any) -> Any:
     """The kernel module whose MAX_ROWS routes this engine's projections, or RuntimeError."""
     import torch
-    from kvfleet.kernels import cpu_gemm, cpu_gemm_f32
+    from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         raise RuntimeError(f"needs --device cpu and bfloat16 or float32, got {device} {dtype}")

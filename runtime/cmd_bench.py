@@ -8,8 +8,8 @@ import argparse
 BENCH_MODULES = (
     "kvfleet.runtime.bench_throughput",
     "kvfleet.runtime.bench_serve",
-    "kvfleet.kernels.bench",
-    "kvfleet.kernels.bench_cpu",
+    "kvfleet.kernels.bench.triton_kernels",
+    "kvfleet.kernels.bench.cpu_kernels",
     "kvfleet.runtime.bench_decode_step",
     "kvfleet.runtime.bench_gemm_rows",
 )

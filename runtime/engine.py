@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from kvfleet.kernels import cpu_features
+from kvfleet.kernels.cpu import cpu_features
 from kvfleet.runtime.config import ConfigError, EngineConfig
 from kvfleet.runtime.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvfleet.kernels import cpu_decode_step, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_decode_step
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.model_config import ModelConfig
 from torch import nn

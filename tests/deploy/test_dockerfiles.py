@@ -102,10 +102,10 @@ def requirements(installs: list[list[str]]) -> tuple[dict[str, Requirement], lis
 
 def third_party_imports(*folders: str, files: tuple[str, ...] = ()) -> dict[str, set[str]]:
     """Distribution name -> the .py files that import it, for every non-stdlib, non-kvfleet
-    import (function-local ones too) in the given folders."""
+    import (function-local ones too) in the given folders and their sub-folders."""
     dists = packages_distributions()
     found: dict[str, set[str]] = {}
-    paths = [p for folder in folders for p in (ROOT / folder).glob("*.py")]
+    paths = [p for folder in folders for p in (ROOT / folder).rglob("*.py")]
     paths += [ROOT / f for f in files]
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -7,7 +7,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_library, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_library
 
 
 def _poisoned(factory):

@@ -3,7 +3,8 @@ ties and NaN included."""
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_argmax, cpu_library, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_argmax, cpu_library
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 

@@ -16,7 +16,8 @@ from kernel_cases import (
     paged_case,
     ragged_lengths,
 )
-from kvfleet.kernels import cpu_attention, cpu_library, dispatch, reference
+from kvfleet.kernels import dispatch, reference
+from kvfleet.kernels.cpu import cpu_attention, cpu_library
 
 BF16, F32 = torch.bfloat16, torch.float32
 

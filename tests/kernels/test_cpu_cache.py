@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_cache, cpu_elementwise, dispatch, reference
+from kvfleet.kernels import dispatch, reference
+from kvfleet.kernels.cpu import cpu_cache, cpu_elementwise
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 

@@ -4,7 +4,8 @@ torch references, in bfloat16 and float32, and the dispatch that picks them on C
 import pytest
 import torch
 from kernel_cases import TOLERANCE
-from kvfleet.kernels import cpu_elementwise, cpu_library, dispatch, reference
+from kvfleet.kernels import dispatch, reference
+from kvfleet.kernels.cpu import cpu_elementwise, cpu_library
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -1,11 +1,12 @@
-"""The AMX projection kernel for decode-sized row counts (kernels/cpu_gemm.c) against a float64
+"""The AMX projection kernel for decode-sized row counts (kernels/cpu/cpu_gemm.c) against a float64
 matmul, and the dispatch that sends a step's GEMMs to it or to oneDNN by row count."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_cases import cpu_has_amx
-from kvfleet.kernels import cpu_elementwise, cpu_gemm, cpu_linear, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_elementwise, cpu_gemm, cpu_linear
 
 BF16 = torch.bfloat16
 

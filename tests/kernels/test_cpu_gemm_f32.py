@@ -1,11 +1,12 @@
-"""The float32 decode-step GEMM (kernels/cpu_gemm_f32.c) against a float64 product, and the
+"""The float32 decode-step GEMM (kernels/cpu/cpu_gemm_f32.c) against a float64 product, and the
 dispatch that routes float32 steps of MIN_ROWS to MAX_ROWS rows to it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_cases import cpu_flags, record_rows
-from kvfleet.kernels import cpu_gemm_f32, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_gemm_f32
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 

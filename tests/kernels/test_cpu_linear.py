@@ -1,4 +1,4 @@
-"""Prepacked bf16 projections (kernels/cpu_linear.py) give F.linear's numbers, and dispatch
+"""Prepacked bf16 projections (kernels/cpu/cpu_linear.py) give F.linear's numbers, and dispatch
 packs exactly the weights that gain from it."""
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfleet.kernels import cpu_features, cpu_gemm, cpu_linear, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_features, cpu_gemm, cpu_linear
 
 BF16 = torch.bfloat16
 

@@ -15,7 +15,8 @@ from kernel_cases import (
     paged_case,
     record_rows,
 )
-from kvfleet.kernels import cpu_prefill, dispatch, reference
+from kvfleet.kernels import dispatch, reference
+from kvfleet.kernels.cpu import cpu_prefill
 
 BF16, F32 = torch.bfloat16, torch.float32
 # float32 against a float64 softmax: summation order and exp's 2 ulp, nothing more.

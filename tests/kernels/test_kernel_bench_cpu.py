@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from kvfleet.kernels import (
-    bench_cpu,
+from kvfleet.kernels.bench import cpu_kernels
+from kvfleet.kernels.cpu import (
     cpu_attention,
     cpu_elementwise,
     cpu_gemm,
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
 def test_prefill_row_times_the_amx_kernel_against_sdpa():
-    row = bench_cpu.prefill_row(torch, 40, 100, iters=1)
+    row = cpu_kernels.prefill_row(torch, 40, 100, iters=1)
     assert row.query_tokens == 40 and row.context_tokens == 100 and row.reference_ms > 0
     if cpu_prefill.available():
         assert row.amx_ms > 0 and row.amx_speedup == pytest.approx(row.reference_ms / row.amx_ms)
@@ -31,7 +31,7 @@ def test_prefill_row_times_the_amx_kernel_against_sdpa():
 
 @pytest.mark.parametrize("shuffled", [True, False], ids=["shuffled", "consecutive"])
 def test_decode_row_times_each_path_this_cpu_has(shuffled):
-    row = bench_cpu.decode_row(torch, iters=1, seqs=3, layers=2, shuffled=shuffled)
+    row = cpu_kernels.decode_row(torch, iters=1, seqs=3, layers=2, shuffled=shuffled)
     assert row.sequences == 3 and row.reference_ms > 0
     assert row.block_order == ("shuffled" if shuffled else "consecutive")
     assert (row.dot_ms is not None) == cpu_attention.uses_bf16_dot()
@@ -41,31 +41,31 @@ def test_decode_row_times_each_path_this_cpu_has(shuffled):
 
 def test_consecutive_layout_gives_each_sequence_one_run_of_blocks():
     gen = torch.Generator().manual_seed(0)
-    _, _, tables = bench_cpu._paged_cache(torch, [40, 16, 1], gen, shuffled=False)
+    _, _, tables = cpu_kernels._paged_cache(torch, [40, 16, 1], gen, shuffled=False)
     assert tables[:, :3].tolist() == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
-    _, _, shuffled = bench_cpu._paged_cache(torch, [400], gen)
+    _, _, shuffled = cpu_kernels._paged_cache(torch, [400], gen)
     assert sorted(shuffled[0].tolist()) == list(range(25)) != shuffled[0].tolist()
 
 
 def test_a_wrong_kernel_fails_the_benchmark_instead_of_timing_it(monkeypatch, capsys):
     if not cpu_prefill.available():
         pytest.skip("no AMX: the prefill kernel is not timed on this CPU")
-    monkeypatch.setattr(bench_cpu, "PREFILL_SHAPES", ((20, 20),))
+    monkeypatch.setattr(cpu_kernels, "PREFILL_SHAPES", ((20, 20),))
     monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda q, *a, **k: torch.zeros_like(q))
     assert main(["bench", "cpu-kernels", "--iters", "1"]) == 1
     assert "disagrees with the torch reference" in capsys.readouterr().err
 
 
 def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bench_cpu, "PREFILL_SHAPES", ((20, 50),))
-    monkeypatch.setattr(bench_cpu, "DECODE_SEQS", 2)
-    monkeypatch.setattr(bench_cpu, "DECODE_LAYERS", 1)
-    monkeypatch.setattr(bench_cpu, "GEMM_LAYERS", 1)
-    monkeypatch.setattr(bench_cpu, "GEMM_ROWS", (4,))
-    monkeypatch.setattr(bench_cpu, "F32_PREFILL_SHAPES", ((20, 50),))
-    monkeypatch.setattr(bench_cpu, "F32_GEMM_ROWS", (1, 7))
-    monkeypatch.setattr(bench_cpu, "F32_ELEMENTWISE_ROWS", (5,))
-    monkeypatch.setattr(bench_cpu, "read_gbps", lambda torch, iters: 1.0)  # a 1 GiB read
+    monkeypatch.setattr(cpu_kernels, "PREFILL_SHAPES", ((20, 50),))
+    monkeypatch.setattr(cpu_kernels, "DECODE_SEQS", 2)
+    monkeypatch.setattr(cpu_kernels, "DECODE_LAYERS", 1)
+    monkeypatch.setattr(cpu_kernels, "GEMM_LAYERS", 1)
+    monkeypatch.setattr(cpu_kernels, "GEMM_ROWS", (4,))
+    monkeypatch.setattr(cpu_kernels, "F32_PREFILL_SHAPES", ((20, 50),))
+    monkeypatch.setattr(cpu_kernels, "F32_GEMM_ROWS", (1, 7))
+    monkeypatch.setattr(cpu_kernels, "F32_ELEMENTWISE_ROWS", (5,))
+    monkeypatch.setattr(cpu_kernels, "read_gbps", lambda torch, iters: 1.0)  # a 1 GiB read
     out = tmp_path / "k.json"
     assert main(["bench", "cpu-kernels", "--iters", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -108,12 +108,12 @@ def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module,
         pytest.skip("no AVX-512: the float32 kernels are not timed on this CPU")
     monkeypatch.setattr(module, name, break_it(getattr(module, name)))
     for shapes in ("F32_PREFILL_SHAPES", "PREFILL_SHAPES"):
-        monkeypatch.setattr(bench_cpu, shapes, ())
-    monkeypatch.setattr(bench_cpu, "F32_GEMM_ROWS", (7,))
-    monkeypatch.setattr(bench_cpu, "F32_ELEMENTWISE_ROWS", (5,))
-    monkeypatch.setattr(bench_cpu, "GEMM_LAYERS", 1)
-    monkeypatch.setattr(bench_cpu, "DECODE_LAYERS", 1)
-    monkeypatch.setattr(bench_cpu, "DECODE_SEQS", 2)
+        monkeypatch.setattr(cpu_kernels, shapes, ())
+    monkeypatch.setattr(cpu_kernels, "F32_GEMM_ROWS", (7,))
+    monkeypatch.setattr(cpu_kernels, "F32_ELEMENTWISE_ROWS", (5,))
+    monkeypatch.setattr(cpu_kernels, "GEMM_LAYERS", 1)
+    monkeypatch.setattr(cpu_kernels, "DECODE_LAYERS", 1)
+    monkeypatch.setattr(cpu_kernels, "DECODE_SEQS", 2)
     assert main(["bench", "cpu-kernels", "--iters", "1"]) == 1
     assert "disagrees with the torch reference" in capsys.readouterr().err
 
@@ -124,10 +124,10 @@ def test_rejects_zero_iterations(capsys):
 
 
 def test_gemm_row_times_onednn_and_the_amx_kernel_on_a_steps_weights():
-    plain, packed = bench_cpu.gemm_weights(torch, layers=1)
+    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
     assert [tuple(w.shape) for w in plain] == [(960, 576), (576, 576), (3072, 576), (576, 1536),
                                               (49152, 576)]  # fmt: skip
-    row = bench_cpu.gemm_row(torch, 32, plain, packed, iters=1)
+    row = cpu_kernels.gemm_row(torch, 32, plain, packed, iters=1)
     assert row.rows == 32 and row.onednn_ms > 0
     assert row.weight_mb == pytest.approx(sum(w.numel() for w in plain) * 2 / 1e6)
     if cpu_gemm.available():
@@ -136,28 +136,28 @@ def test_gemm_row_times_onednn_and_the_amx_kernel_on_a_steps_weights():
     else:
         assert row.amx_ms is None and row.fused_ops_ms is None
     # Past MAX_ROWS the model makes the separate calls either way: nothing to compare.
-    big = bench_cpu.gemm_row(torch, cpu_gemm.MAX_ROWS + 1, plain, packed, iters=1)
+    big = cpu_kernels.gemm_row(torch, cpu_gemm.MAX_ROWS + 1, plain, packed, iters=1)
     assert big.separate_ops_ms is None and big.fused_ops_ms is None
 
 
 def test_fused_ops_that_change_the_bits_fail_the_benchmark(monkeypatch):
     if not cpu_gemm.available():
         pytest.skip("no AMX: the fused prologues are not timed on this CPU")
-    plain, packed = bench_cpu.gemm_weights(torch, layers=1)
+    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
     real = cpu_gemm.silu_and_mul_linear
     monkeypatch.setattr(cpu_gemm, "silu_and_mul_linear", lambda x, t, b=None: real(x, t, b) * 2)
-    with pytest.raises(bench_cpu.KernelMismatch, match="fused norm/gate at 16 rows"):
-        bench_cpu.gemm_row(torch, 16, plain, packed, iters=1)
+    with pytest.raises(cpu_kernels.KernelMismatch, match="fused norm/gate at 16 rows"):
+        cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)
 
 
 def test_a_wrong_projection_kernel_fails_the_benchmark(monkeypatch):
     if not cpu_gemm.available():
         pytest.skip("no AMX: the projection kernel is not timed on this CPU")
-    plain, packed = bench_cpu.gemm_weights(torch, layers=1)
+    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
 
     def zeros(x, tiles, bias=None):
         return torch.zeros(x.shape[0], tiles.shape[0] * 16, dtype=x.dtype)
 
     monkeypatch.setattr(cpu_gemm, "linear", zeros)
-    with pytest.raises(bench_cpu.KernelMismatch, match=r"projection \(960, 576\) at 16 rows"):
-        bench_cpu.gemm_row(torch, 16, plain, packed, iters=1)
+    with pytest.raises(cpu_kernels.KernelMismatch, match=r"projection \(960, 576\) at 16 rows"):
+        cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)

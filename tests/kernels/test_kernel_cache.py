@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from kvfleet.kernels import reference, triton_cache
+from kvfleet.kernels import reference
+from kvfleet.kernels.triton import triton_cache
 
 
 @pytest.mark.parametrize(

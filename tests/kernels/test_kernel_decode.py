@@ -3,7 +3,8 @@
 import pytest
 import torch
 from kernel_cases import TOLERANCE, paged_case, ragged_lengths
-from kvfleet.kernels import reference, triton_decode
+from kvfleet.kernels import reference
+from kvfleet.kernels.triton import triton_decode
 
 BF16, F32 = torch.bfloat16, torch.float32
 

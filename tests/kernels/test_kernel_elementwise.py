@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from kvfleet.kernels import reference, triton_rms_norm, triton_rotary, triton_silu_and_mul
+from kvfleet.kernels import reference
+from kvfleet.kernels.triton import triton_rms_norm, triton_rotary, triton_silu_and_mul
 
 BF16, F32 = torch.bfloat16, torch.float32
 # Elementwise ops round once to the storage dtype; bf16 has 8 bits of mantissa.

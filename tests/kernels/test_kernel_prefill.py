@@ -3,7 +3,8 @@
 import pytest
 import torch
 from kernel_cases import TOLERANCE, attention_metadata, paged_case, ragged_lengths
-from kvfleet.kernels import dispatch, reference, triton_prefill
+from kvfleet.kernels import dispatch, reference
+from kvfleet.kernels.triton import triton_prefill
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -13,7 +13,9 @@ from kernel_cases import (
     dense_attention,
     paged_case,
 )
-from kvfleet.kernels import cpu_attention, cpu_cache, reference, triton_decode, triton_prefill
+from kvfleet.kernels import reference
+from kvfleet.kernels.cpu import cpu_attention, cpu_cache
+from kvfleet.kernels.triton import triton_decode, triton_prefill
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 BF16 = torch.bfloat16
@@ -98,7 +100,7 @@ def test_triton_kernels_read_fp8_caches_like_the_reference(dtype):
 
 @pytest.mark.parametrize("dtype", FP8)
 def test_triton_cache_write_saturates_like_the_reference(dtype):
-    from kvfleet.kernels import triton_cache
+    from kvfleet.kernels.triton import triton_cache
 
     key = torch.tensor([[[3.0, -5120.0, 1e6, 0.5]], [[1.0, 2.0, 3.0, 4.0]]], dtype=BF16)
     slots = torch.tensor([5, -1])

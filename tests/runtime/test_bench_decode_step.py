@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kvfleet.kernels import cpu_decode_step, cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
 from kvfleet.runtime.cli import main
 
 

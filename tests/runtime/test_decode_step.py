@@ -1,7 +1,7 @@
-"""The fused decode step (kernels/cpu_decode_step.c: the whole decoder stack in one C call) gives
-the per-op layer loop's results to the bit, writes the same cache bytes, and is taken exactly
-for the steps it can run: decode-only steps of a bf16 model prepacked for the AMX GEMM, or of a
-float32 model with as many sequences as the per-op path runs on the float32 GEMM kernel."""
+"""The fused decode step (kernels/cpu/cpu_decode_step.c: the whole decoder stack in one C call)
+gives the per-op layer loop's results to the bit, writes the same cache bytes, and is taken
+exactly for the steps it can run: decode-only steps of a bf16 model prepacked for the AMX GEMM,
+or of a float32 model with as many sequences as the per-op path runs on the float32 GEMM kernel."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_decode_step, cpu_gemm, cpu_gemm_f32, dispatch
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.loader import load_model
 from kvfleet.runtime.model_llama import LlamaModel

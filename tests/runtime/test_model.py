@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet.kernels import cpu_gemm, cpu_linear
+from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.loader import load_model
 from kvfleet.runtime.model_llama import LlamaModel

@@ -21,7 +21,7 @@
  * head_dim a multiple of 32 up to 256, block_size a multiple of 16. Query head h reads kv head
  * h / (num_heads / num_kv_heads).
  *
- * Built with the other CPU kernels by kernels/cpu_library.py. Without AMX (the compiler's
+ * Built with the other CPU kernels by kernels/cpu/cpu_library.py. Without AMX (the compiler's
  * target or the kernel's permission), the entry point answers ERR_NO_AMX and the caller keeps
  * SDPA.
  */

@@ -179,7 +179,7 @@ def _paged_kv(torch, seqs: int, tokens: int, kv_heads: int, head_dim: int, block
 def decode_case(torch, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
                 block_size: int, device) -> AttentionCase:  # fmt: skip
     """Random paged inputs (a shuffled block table) for decode attention on `device`."""
-    from kvfleet.kernels.triton_decode import decode_attention
+    from kvfleet.kernels.triton.triton_decode import decode_attention
 
     scale = head_dim**-0.5
     kc, vc, tables, lens, k, v = _paged_kv(torch, batch, context, kv_heads, head_dim,
@@ -195,7 +195,7 @@ def decode_case(torch, batch: int, context: int, heads: int, kv_heads: int, head
 def prefill_case(torch, sequences: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
                  block_size: int, device) -> AttentionCase:  # fmt: skip
     """Random paged inputs for causal prefill attention with nothing cached, on `device`."""
-    from kvfleet.kernels.triton_prefill import prefill_attention
+    from kvfleet.kernels.triton.triton_prefill import prefill_attention
 
     scale = head_dim**-0.5
     kc, vc, tables, lens, k, v = _paged_kv(torch, sequences, tokens, kv_heads, head_dim,

@@ -6,7 +6,7 @@
  * only up to the first position holding that max: the answer torch gives, the first index of
  * the largest value, with NaN counting as the largest (its first NaN).
  *
- * Built with the other CPU kernels into one library by kernels/cpu_library.py.
+ * Built with the other CPU kernels into one library by kernels/cpu/cpu_library.py.
  */
 
 #include <math.h>

@@ -1,7 +1,8 @@
-"""The C library behind the CPU path: kernels/cpu_attention.c, cpu_prefill.c, cpu_prefill_f32.c,
-cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c, cpu_gemm_f32.c and cpu_decode_step.c
-(with their shared headers cpu_math.h, cpu_amx.h, cpu_cache.h and cpu_entry_points.h), built
-into one shared object.
+"""The C library behind the CPU path: in this folder (kernels/cpu/), cpu_attention.c,
+cpu_prefill.c, cpu_prefill_f32.c, cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c,
+cpu_gemm_f32.c and cpu_decode_step.c (with their shared headers cpu_math.h, cpu_amx.h,
+cpu_cache.h and cpu_entry_points.h, #included by name from the same folder), built into one
+shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,

@@ -1,4 +1,4 @@
-"""The fused CPU elementwise kernels (kernels/cpu_elementwise.c) behind the same signatures as
+"""The fused CPU elementwise kernels (kernels/cpu/cpu_elementwise.c) behind the same signatures as
 their torch references: RMSNorm with residual add, neox rotary embedding (alone, or with the
 new K/V written into the paged cache), SwiGLU's silu-and-mul.
 
@@ -12,7 +12,8 @@ reference; `supports_*` say which.
 from __future__ import annotations
 
 import torch
-from kvfleet.kernels import cpu_cache, cpu_library, reference
+from kvfleet.kernels import reference
+from kvfleet.kernels.cpu import cpu_cache, cpu_library
 
 _LANES = 16
 _MAX_ROTARY_DIM = 1024

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 from kvfleet.kernels.metadata import AttentionMetadata
-from kvfleet.kernels.triton_decode import decode_attention
-from kvfleet.kernels.triton_prefill import prefill_attention
+from kvfleet.kernels.triton.triton_decode import decode_attention
+from kvfleet.kernels.triton.triton_prefill import prefill_attention
 
 
 def paged_attention(

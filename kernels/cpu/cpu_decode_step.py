@@ -1,5 +1,5 @@
 """A decode step through a whole Llama-family decoder stack in one C call
-(kernels/cpu_decode_step.c).
+(kernels/cpu/cpu_decode_step.c).
 
 The C side chains the kernels the per-op path calls per layer (RMSNorm + qkv, rotary + cache
 write, decode attention, o, RMSNorm + gate/up, SiLU-and-mul + down) in the same order on the same
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvfleet.kernels import (
+from kvfleet.kernels.cpu import (
     cpu_attention,
     cpu_cache,
     cpu_elementwise,

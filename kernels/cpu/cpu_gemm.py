@@ -1,4 +1,4 @@
-"""bf16 projections on AMX tiles (kernels/cpu_gemm.c): a decode step's GEMMs, and those of a
+"""bf16 projections on AMX tiles (kernels/cpu/cpu_gemm.c): a decode step's GEMMs, and those of a
 step that carries a prompt of a few hundred tokens beside the decodes.
 
 At decode-sized row counts a projection streams its weight once and does little arithmetic per
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvfleet.kernels import cpu_library
+from kvfleet.kernels.cpu import cpu_library
 
 # Row counts this kernel takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
 # faster; at 128-1024 rows (a serving batch's decodes plus a new prompt) it computes 1.1x faster

@@ -1,4 +1,4 @@
-"""Row-wise argmax of float32 logits by the C kernel (kernels/cpu_argmax.c): greedy sampling's
+"""Row-wise argmax of float32 logits by the C kernel (kernels/cpu/cpu_argmax.c): greedy sampling's
 last step, 10x faster than torch's CPU argmax on a decode step's [rows, vocab] logits. Same
 answer as `torch.argmax(x, dim=-1)`: the first index of the largest value, NaN counting as the
 largest. Inputs it does not take (other dtypes or devices, strided rows) go to torch."""
@@ -6,7 +6,7 @@ largest. Inputs it does not take (other dtypes or devices, strided rows) go to t
 from __future__ import annotations
 
 import torch
-from kvfleet.kernels import cpu_library
+from kvfleet.kernels.cpu import cpu_library
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@
  * default where the CPU lacks AVX512-BF16) torch's passes cost the same again: on a 2-core
  * AVX-512 host the three took 12 s of a 95 s standard-workload run.
  *
- * Built with kernels/cpu_attention.c into one library by kernels/cpu_library.py.
+ * Built with kernels/cpu/cpu_attention.c into one library by kernels/cpu/cpu_library.py.
  */
 
 #include <math.h>

@@ -11,7 +11,7 @@
  * value. slots[t] = block * block_size + offset; a negative slot is padding and is skipped. A
  * slot past the cache is an error before anything is written.
  *
- * Built with the other CPU kernels into one library by kernels/cpu_library.py.
+ * Built with the other CPU kernels into one library by kernels/cpu/cpu_library.py.
  */
 
 #include <stdint.h>

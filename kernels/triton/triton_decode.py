@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from kvfleet.kernels.reference import attention_dtype, is_fp8
-from kvfleet.kernels.triton_dot import dot_precision, mma, upcast_dot
-from kvfleet.kernels.triton_paged import paged_kv_offsets
+from kvfleet.kernels.triton.triton_dot import dot_precision, mma, upcast_dot
+from kvfleet.kernels.triton.triton_paged import paged_kv_offsets
 
 # Below this many context tokens per split the extra reduce pass costs more than it saves.
 MIN_SPLIT_TOKENS = 256

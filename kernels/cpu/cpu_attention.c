@@ -28,7 +28,7 @@
  * a shape gcc -O3 vectorises without -ffast-math (a plain float sum reduction would stay
  * scalar, since reassociating it changes the result). head_dim must be a multiple of LANES.
  *
- * Built by kernels/cpu_library.py: gcc -O3 -march=native -fopenmp -shared -fPIC.
+ * Built by kernels/cpu/cpu_library.py: gcc -O3 -march=native -fopenmp -shared -fPIC.
  */
 
 #include <math.h>

@@ -1,7 +1,7 @@
 """The CPU prefill-attention kernels: one sequence's prompt tokens (a chunk, or a suffix after a
-prefix-cache hit) against its paged K/V. bf16 runs on AMX tiles (kernels/cpu_prefill.c, 1.7-2.6x
+prefix-cache hit) against its paged K/V. bf16 runs on AMX tiles (kernels/cpu/cpu_prefill.c, 1.7-2.6x
 the speed of torch's SDPA flash kernel with head_dim 64, `kvfleet bench cpu-kernels`); float32
-on AVX-512 (kernels/cpu_prefill_f32.c). Where the CPU or build lacks what a dtype's kernel
+on AVX-512 (kernels/cpu/cpu_prefill_f32.c). Where the CPU or build lacks what a dtype's kernel
 needs (`available`), or the inputs do not fit (`supports`), callers keep the reference's SDPA."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from kvfleet.kernels import cpu_library, reference
+from kvfleet.kernels import reference
+from kvfleet.kernels.cpu import cpu_library
 
 _MAX_HEAD_DIM = 256
 _ERRORS = {1: "unsupported shape", 2: "out of memory", 3: "no AMX or AVX-512 on this CPU or build"}

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from kvfleet.kernels.reference import attention_dtype, is_fp8
-from kvfleet.kernels.triton_dot import dot_precision, mma, upcast_dot
-from kvfleet.kernels.triton_paged import paged_kv_offsets
+from kvfleet.kernels.triton.triton_dot import dot_precision, mma, upcast_dot
+from kvfleet.kernels.triton.triton_paged import paged_kv_offsets
 
 DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 64

@@ -6,7 +6,7 @@
  * kernel ran at 0.065-0.1 TFLOP/s with head_dim 64 on a 2-core AVX-512 host, a quarter to a
  * third of that host's float32 GEMM rate: 7.9 s of an 85 s standard-workload run.
  *
- * As kernels/cpu_prefill.c does on AMX tiles, the computation is transposed so that no step
+ * As kernels/cpu/cpu_prefill.c does on AMX tiles, the computation is transposed so that no step
  * needs a horizontal reduction. The 16 lanes of a vector hold 16 rows, a row being one (query
  * token, query head) pair of a kv head's GQA group (row r: token r / G, head r % G), so the G
  * heads that share a K/V row use each of its loads together. A task is one kv head and a tile of
@@ -23,7 +23,7 @@
  * sequence. head_dim a multiple of 16 up to MAX_HEAD_DIM, any block size. Query head h reads
  * kv head h / (num_heads / num_kv_heads).
  *
- * Built with the other CPU kernels by kernels/cpu_library.py. Without AVX-512 the entry point
+ * Built with the other CPU kernels by kernels/cpu/cpu_library.py. Without AVX-512 the entry point
  * answers ERR_NO_AVX512 and the caller keeps SDPA.
  */
 

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from kvfleet.kernels import cpu_features, cpu_gemm
+from kvfleet.kernels.cpu import cpu_features, cpu_gemm
 
 
 @functools.cache

@@ -1,11 +1,12 @@
-"""The C paged decode-attention kernel for the CPU path (kernels/cpu_attention.c), built and
-loaded by kernels/cpu_library.py (where gcc is missing or `KVFLEET_CPU_KERNELS=0`, callers keep
+"""The C paged decode-attention kernel for the CPU path (kernels/cpu/cpu_attention.c), built and
+loaded by kernels/cpu/cpu_library.py (where gcc is missing or `KVFLEET_CPU_KERNELS=0`, callers keep
 the torch reference)."""
 
 from __future__ import annotations
 
 import torch
-from kvfleet.kernels import cpu_library, reference
+from kvfleet.kernels import reference
+from kvfleet.kernels.cpu import cpu_library
 
 _DTYPES = cpu_library.DTYPE_CODES
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE = 256, 16, 256

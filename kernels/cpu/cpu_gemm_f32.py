@@ -1,4 +1,4 @@
-"""float32 projections of decode-sized steps on AVX-512 (kernels/cpu_gemm_f32.c), reading the
+"""float32 projections of decode-sized steps on AVX-512 (kernels/cpu/cpu_gemm_f32.c), reading the
 plain [out_features, in_features] weight in place: where float32 is the CPU default (no
 AVX512-BF16), MKL's GEMM behind F.linear repacks the weight on every call, which at a few dozen
 rows costs as much as the multiply. Up to 16 rows the kernel sums along K in vectors (dot
@@ -9,7 +9,7 @@ to float32 summation order."""
 from __future__ import annotations
 
 import torch
-from kvfleet.kernels import cpu_library
+from kvfleet.kernels.cpu import cpu_library
 
 # Row counts this kernel takes from F.linear. A step's projections (30 layers + LM head) on a
 # 2-core AVX-512 host: 1.25-1.40x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.53x at 32,

@@ -1,10 +1,11 @@
-"""`reshape_and_cache` for the CPU path in C (kernels/cpu_cache.c): new K/V rows memcpy'd into
+"""`reshape_and_cache` for the CPU path in C (kernels/cpu/cpu_cache.c): new K/V rows memcpy'd into
 the head-major paged cache. Inputs it cannot take go to the torch reference."""
 
 from __future__ import annotations
 
 import torch
-from kvfleet.kernels import cpu_library, reference
+from kvfleet.kernels import reference
+from kvfleet.kernels.cpu import cpu_library
 
 
 def _heads_packed(t: torch.Tensor) -> bool:

@@ -185,7 +185,8 @@ def _paged_cache(torch, lens: list[int], gen, shuffled: bool = True, dtype=None)
 
 def prefill_row(torch, q_len: int, ctx: int, iters: int) -> PrefillRow:
     """One prefill shape: the AMX kernel (when available) against the reference's SDPA."""
-    from kvfleet.kernels import cpu_prefill, reference
+    from kvfleet.kernels import reference
+    from kvfleet.kernels.cpu import cpu_prefill
 
     gen = torch.Generator().manual_seed(q_len * 7919 + ctx)
     k, v, tables = _paged_cache(torch, [ctx], gen)
@@ -223,7 +224,8 @@ def decode_row(
 ) -> DecodeRow:
     """Decode attention over `layers` distinct caches per timed call (a step's worth), per
     layer: the AMX path, the AVX512-BF16 dot path, and the torch reference."""
-    from kvfleet.kernels import cpu_attention, reference
+    from kvfleet.kernels import reference
+    from kvfleet.kernels.cpu import cpu_attention
 
     rng = random.Random(0)
     lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
@@ -286,7 +288,7 @@ def step_weights(torch, layers: int, dtype) -> list:
 def gemm_weights(torch, layers: int):
     """`layers` layers' projection weights and an LM head, each packed for `dispatch.linear`,
     with their plain [out, in] shapes."""
-    from kvfleet.kernels import cpu_linear
+    from kvfleet.kernels.cpu import cpu_linear
 
     plain = step_weights(torch, layers, torch.bfloat16)
     return plain, [cpu_linear.pack(w) for w in plain]
@@ -294,7 +296,7 @@ def gemm_weights(torch, layers: int):
 
 def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
     """One step's projections at `rows` rows: oneDNN and (where it runs) the AMX kernel."""
-    from kvfleet.kernels import cpu_gemm, cpu_linear
+    from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 
     gen = torch.Generator().manual_seed(rows)
     inputs = {
@@ -375,7 +377,8 @@ def _layer_ops_ms(torch, rows: int, layers_packed, iters: int) -> tuple[float, f
 
 def float32_prefill_row(torch, q_len: int, ctx: int, iters: int) -> Float32Row:
     """One prefill shape in float32: the AVX-512 kernel against the reference's SDPA."""
-    from kvfleet.kernels import cpu_prefill, reference
+    from kvfleet.kernels import reference
+    from kvfleet.kernels.cpu import cpu_prefill
 
     gen = torch.Generator().manual_seed(q_len * 7919 + ctx)
     k, v, tables = _paged_cache(torch, [ctx], gen, dtype=torch.float32)
@@ -399,7 +402,7 @@ def float32_prefill_row(torch, q_len: int, ctx: int, iters: int) -> Float32Row:
 def float32_gemm_row(torch, rows: int, weights: list, iters: int) -> Float32Row:
     """A step's projections at `rows` rows in float32: `cpu_gemm_f32` (called directly, also
     outside the rows dispatch routes to it, to show the crossovers) against F.linear."""
-    from kvfleet.kernels import cpu_gemm_f32
+    from kvfleet.kernels.cpu import cpu_gemm_f32
 
     gen = torch.Generator().manual_seed(rows)
     inputs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
@@ -424,7 +427,8 @@ def float32_gemm_row(torch, rows: int, weights: list, iters: int) -> Float32Row:
 def float32_elementwise_row(torch, rows: int, iters: int) -> Float32Row:
     """One layer's RMSNorm (with residual), rotary + K/V cache write and SiLU-and-mul in float32:
     the C kernels against torch's ops (the reference rotary, the C cache write)."""
-    from kvfleet.kernels import cpu_cache, cpu_elementwise, reference
+    from kvfleet.kernels import reference
+    from kvfleet.kernels.cpu import cpu_cache, cpu_elementwise
 
     gen = torch.Generator().manual_seed(rows + 3)
     x = torch.randn(rows, HIDDEN, generator=gen)
@@ -468,7 +472,7 @@ def float32_elementwise_row(torch, rows: int, iters: int) -> Float32Row:
 
 def float32_rows(torch, iters: int) -> dict:
     """The float32 sections, or empty ones where the build has no AVX-512 (no kernel to time)."""
-    from kvfleet.kernels import cpu_library
+    from kvfleet.kernels.cpu import cpu_library
 
     if not cpu_library.avx512():
         return {"prefill": [], "projections": [], "elementwise": []}
@@ -491,7 +495,7 @@ def read_gbps(torch, iters: int) -> float:
 
 def measure(iters: int) -> dict:
     import torch
-    from kvfleet.kernels import cpu_attention, cpu_prefill
+    from kvfleet.kernels.cpu import cpu_attention, cpu_prefill
 
     return {
         "device": _cpu_name(),
@@ -520,7 +524,7 @@ def measure(iters: int) -> dict:
 def gemm_rows(torch, iters: int) -> list[dict]:
     """The projection rows, or none where bf16 weights are not packed (no oneDNN bf16 GEMM, or
     bf16 only emulated): nothing to compare."""
-    from kvfleet.kernels import cpu_linear
+    from kvfleet.kernels.cpu import cpu_linear
 
     if not cpu_linear.available():
         return []
