@@ -9,19 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.llm import LLM
-    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.llm import LLM
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from kvfleet.runtime.llm import LLM
+        from kvfleet.runtime.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from kvfleet.runtime.sampling_params import SamplingParams
+        from kvfleet.runtime.engine.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvfleet.runtime' has no attribute {name!r}")

@@ -16,8 +16,8 @@ from kvfleet import __version__
 # (module, why it is separate): order is the order shown in --help.
 COMMAND_MODULES = (
     "kvfleet.runtime.cmd_generate",
-    "kvfleet.runtime.cmd_serve",
-    "kvfleet.runtime.cmd_bench",
+    "kvfleet.runtime.server.cmd_serve",
+    "kvfleet.runtime.bench.cmd_bench",
     "kvfleet.operator.cmd_operator",
     "kvfleet.operator.cmd_demo",
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfleet.runtime.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfleet.runtime.llm import LLM
-    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.llm import LLM
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
 
     try:
         config = engine_config_from_args(args)

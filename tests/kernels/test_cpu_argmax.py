@@ -59,9 +59,9 @@ def test_what_the_kernel_does_not_take_goes_to_torch(monkeypatch):
 
 
 def test_greedy_sampling_runs_the_kernel(monkeypatch):
-    from kvfleet.runtime.request import Request
-    from kvfleet.runtime.sampler import Sampler
-    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.request import Request
+    from kvfleet.runtime.engine.sampler import Sampler
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
 
     lib = cpu_library.library()
     real = lib.kvfleet_argmax_f32

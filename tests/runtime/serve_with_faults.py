@@ -13,8 +13,9 @@ from __future__ import annotations
 import sys
 import time
 
-from kvfleet.runtime import engine, model_runner, sampler
 from kvfleet.runtime.cli import main
+from kvfleet.runtime.engine import llm_engine as engine
+from kvfleet.runtime.engine import model_runner, sampler
 
 FAULT_TOKEN = 31337
 SAMPLER_FAULT = "\x00sampler fault\x00"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
-from kvfleet.runtime.bench_gemm_rows import PairedForward, parse_candidates
+from kvfleet.runtime.bench.gemm_rows import PairedForward, parse_candidates
 from kvfleet.runtime.cli import main
 
 

@@ -13,8 +13,8 @@ import torch
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
 from kvfleet.kernels.metadata import AttentionMetadata
-from kvfleet.runtime.loader import load_model
-from kvfleet.runtime.model_llama import LlamaModel
+from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.loader import load_model
 from tiny_models import make_tiny_model
 
 BF16 = torch.bfloat16

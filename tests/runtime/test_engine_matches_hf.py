@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.model_runner import kv_bytes_per_token
+from kvfleet.runtime.engine.model_runner import kv_bytes_per_token
 
 PROMPT_LENS = (3, 17, 33, 64, 90)
 MAX_NEW = 24
@@ -91,7 +91,7 @@ def test_prefix_cache_hit_matches_hf(tiny_qwen2_dir: Path) -> None:
 
 
 def test_forced_preemption_still_matches_hf(tiny_llama_dir: Path) -> None:
-    from kvfleet.runtime.model_config import ModelConfig
+    from kvfleet.runtime.models.config import ModelConfig
 
     mc = ModelConfig.from_folder(tiny_llama_dir)
     # 16 blocks of 8 tokens: five requests of up to 90+24 tokens cannot all stay resident.

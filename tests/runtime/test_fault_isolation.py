@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime import engine as engine_module
-from kvfleet.runtime.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.engine import llm_engine as engine_module
+from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 
 # Requests carrying one of these stop strings are the ones an injected fault picks on; they
 # never occur in the tiny model's output, so they change nothing else about them.

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.config import ConfigError
-from kvfleet.runtime.engine import RequestError
-from kvfleet.runtime.loader import ModelLoadError
-from kvfleet.runtime.sampling_params import SamplingParamsError
+from kvfleet.runtime.engine.config import ConfigError
+from kvfleet.runtime.engine.request_limits import RequestError
+from kvfleet.runtime.engine.sampling_params import SamplingParamsError
+from kvfleet.runtime.models.loader import ModelLoadError
 
 
 @pytest.fixture(scope="module")

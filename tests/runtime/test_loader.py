@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvfleet.runtime import loader
-from kvfleet.runtime.loader import ModelLoadError, load_model, load_tokenizer, resolve_model
-from kvfleet.runtime.model_config import ModelConfig, ModelConfigError
+from kvfleet.runtime.models import loader
+from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
+from kvfleet.runtime.models.loader import ModelLoadError, load_model, load_tokenizer, resolve_model
 from safetensors.torch import load_file, save_file
 
 
@@ -186,7 +186,7 @@ def test_random_model_runs_without_a_folder() -> None:
 
 
 def test_random_llama_1b_has_llama_3_2_1b_shape() -> None:
-    from kvfleet.runtime.random_models import random_model_config
+    from kvfleet.runtime.models.random_models import random_model_config
 
     cfg = random_model_config("random:llama-1b")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (2048, 16, 32, 8)
@@ -261,7 +261,7 @@ def test_mistral_sliding_window_caps_the_context() -> None:
 def test_conversion_key_follows_content_not_install_time(tmp_path: Path) -> None:
     """A reinstalled GGUF (same bytes, new path and mtime) reuses the conversion; changed
     bytes get a new one."""
-    from kvfleet.runtime.loader import gguf_cache_key
+    from kvfleet.runtime.models.loader import gguf_cache_key
 
     data = bytes(range(256)) * 20_000  # 5 MB: both ends hashed, the middle not
     first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
@@ -323,7 +323,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_loads_but_its_extra_ids_are_refu
     tmp_path, caplog
 ) -> None:
     from kvfleet.runtime import LLM, SamplingParams
-    from kvfleet.runtime.engine import RequestError
+    from kvfleet.runtime.engine.request_limits import RequestError
     from tiny_models import make_tiny_model
 
     small = make_tiny_model(tmp_path / "small-vocab", vocab_size=1000)
@@ -337,7 +337,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_loads_but_its_extra_ids_are_refu
 def test_tokenizer_flag_reaches_the_engine_config() -> None:
     import argparse
 
-    from kvfleet.runtime.config import add_engine_args, engine_config_from_args
+    from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.engine import RequestError
-from kvfleet.runtime.sampling_params import SamplingParamsError
+from kvfleet.runtime.engine.request_limits import RequestError
+from kvfleet.runtime.engine.sampling_params import SamplingParamsError
 
 PROMPT = [101, 2025, 318, 257, 1332, 286, 262, 995]
 FORCED = 1234  # an ordinary token (not EOS) the tiny model would not pick by itself

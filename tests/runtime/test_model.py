@@ -10,8 +10,8 @@ import pytest
 import torch
 from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 from kvfleet.kernels.metadata import AttentionMetadata
-from kvfleet.runtime.loader import load_model
-from kvfleet.runtime.model_llama import LlamaModel
+from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.loader import load_model
 from tiny_models import make_tiny_model
 
 ATOL = 1e-4

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.model_config import ModelConfig
-from kvfleet.runtime.model_runner import kv_bytes_per_token
-from kvfleet.runtime.request import Request, RequestOutput
-from kvfleet.runtime.sampling_params import MAX_LOGPROBS, SamplingParamsError
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.engine.model_runner import kv_bytes_per_token
+from kvfleet.runtime.engine.request import Request, RequestOutput
+from kvfleet.runtime.engine.sampling_params import MAX_LOGPROBS, SamplingParamsError
+from kvfleet.runtime.models.config import ModelConfig
 
 TOL = 1e-4
 TOP_K = 3
@@ -114,7 +114,7 @@ def test_every_output_of_an_n_group_carries_the_whole_scored_prompt(
 def test_preemption_by_recompute_neither_duplicates_nor_loses_entries(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvfleet.runtime.scheduler import Scheduler
+    from kvfleet.runtime.engine.scheduler import Scheduler
 
     owed_at_preemption: list[int | None] = []
     preempt = Scheduler._preempt

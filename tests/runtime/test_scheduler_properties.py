@@ -8,10 +8,10 @@ from collections import Counter
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from kvfleet.runtime.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.request import Request, RequestStatus
-from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.scheduler import Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.engine.request import Request, RequestStatus
+from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
 
 EOS = frozenset({0})
 

@@ -280,7 +280,7 @@ def test_disconnect_mid_stream_frees_the_kv_cache(tiny_server, model):
 
 
 async def test_bench_serve_drives_the_server_and_counts_every_token(tiny_server, offline):
-    from kvfleet.runtime.bench_serve import drive
+    from kvfleet.runtime.bench.serve import drive
 
     ids = offline.tokenizer.encode("Benchmark prompt", add_special_tokens=False)
     workload = [(ids, 5 + i) for i in range(6)]
@@ -293,8 +293,8 @@ async def test_bench_serve_drives_the_server_and_counts_every_token(tiny_server,
 async def test_bench_serve_keeps_samples_out_of_the_json_and_plots_them(
     tiny_server, offline, tmp_path
 ):
-    from kvfleet.runtime.bench_plots import plot_concurrency_sweep, plot_latency_cdfs
-    from kvfleet.runtime.bench_serve import drive
+    from kvfleet.runtime.bench.plots import plot_concurrency_sweep, plot_latency_cdfs
+    from kvfleet.runtime.bench.serve import drive
 
     ids = offline.tokenizer.encode("Plot prompt", add_special_tokens=False)
     runs = [await drive(tiny_server.url, [(ids, 4)] * 4, concurrency=c, timeout=60) for c in (1, 4)]

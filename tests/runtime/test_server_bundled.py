@@ -7,7 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvfleet.runtime.served_name import BUNDLED_NAME
+from kvfleet.runtime.engine.served_name import BUNDLED_NAME
 from server_fixtures import ServerProcess, running_server, scrape
 
 pytestmark = pytest.mark.slow

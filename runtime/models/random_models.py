@@ -10,8 +10,8 @@ decode to nothing, which throughput runs (ignore_eos, counted in tokens) never l
 from __future__ import annotations
 
 import torch
-from kvfleet.runtime.model_config import ModelConfig
-from kvfleet.runtime.model_llama import LlamaModel
+from kvfleet.runtime.models.config import ModelConfig
+from kvfleet.runtime.models.llama import LlamaModel
 
 # Special ids of the bundled tokenizer (SmolLM2): <|im_start|> is bos, <|im_end|> is eos.
 _BOS, _EOS = 1, [2]
@@ -62,7 +62,7 @@ def random_model_config(model: str) -> ModelConfig:
     """The config named by `random:<name>`."""
     name = model.removeprefix("random:")
     if name not in RANDOM_MODELS:
-        from kvfleet.runtime.loader import ModelLoadError
+        from kvfleet.runtime.models.loader import ModelLoadError
 
         raise ModelLoadError(
             f"model: {model!r} is not a known random model; known: "

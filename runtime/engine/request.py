@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

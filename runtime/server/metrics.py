@@ -19,8 +19,8 @@ from prometheus_client.registry import Collector
 from kvfleet import contract
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.async_engine import EngineStats
-    from kvfleet.runtime.request import Request
+    from kvfleet.runtime.engine.async_engine import EngineStats
+    from kvfleet.runtime.engine.request import Request
 
 # vLLM's buckets: sub-10 ms steps on a GPU up to minutes for long CPU generations.
 TTFT_BUCKETS = (
@@ -190,7 +190,7 @@ class _EngineCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        from kvfleet.runtime.async_engine import EngineStats
+        from kvfleet.runtime.engine.async_engine import EngineStats
 
         s = self._stats() or EngineStats()
         label = [contract.MODEL_NAME_LABEL]

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.metadata import AttentionMetadata
-from kvfleet.runtime.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.model_config import ModelConfig
-from kvfleet.runtime.request import Request, TokenLogprob
-from kvfleet.runtime.scheduler import ScheduledBatch
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.scheduler import ScheduledBatch
+from kvfleet.runtime.models.config import ModelConfig
 
 # Prompt logprobs turn hidden rows into full-vocabulary logits; this many at a time bounds the
 # memory that costs (a long prompt chunk times a large vocabulary would not fit otherwise).

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import EngineObserver, LLMEngine
-    from kvfleet.runtime.request import RequestOutput
-    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import EngineObserver, LLMEngine
+    from kvfleet.runtime.engine.request import RequestOutput
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class AsyncEngine:
             if self._factory is not None:
                 self.engine = self._factory(self.config, self._observer)
             else:
-                from kvfleet.runtime.engine import LLMEngine
+                from kvfleet.runtime.engine.llm_engine import LLMEngine
 
                 self.engine = LLMEngine(self.config, observer=self._observer)
             # Loaded means able to generate: a short warm-up generation proves it.

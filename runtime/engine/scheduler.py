@@ -14,8 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvfleet.runtime.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

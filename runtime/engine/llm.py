@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
-from kvfleet.runtime.request import RequestOutput
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.engine.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.engine.request import RequestOutput
+from kvfleet.runtime.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 BENCH_MODULES = (
-    "kvfleet.runtime.bench_throughput",
-    "kvfleet.runtime.bench_serve",
+    "kvfleet.runtime.bench.throughput",
+    "kvfleet.runtime.bench.serve",
     "kvfleet.kernels.bench.triton_kernels",
     "kvfleet.kernels.bench.cpu_kernels",
-    "kvfleet.runtime.bench_decode_step",
-    "kvfleet.runtime.bench_gemm_rows",
+    "kvfleet.runtime.bench.decode_step",
+    "kvfleet.runtime.bench.gemm_rows",
 )
 
 

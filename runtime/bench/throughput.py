@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.runtime.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
 HF_BATCH_SIZE = 32
 
@@ -77,7 +77,7 @@ def measure_matmul_flops(dtype: Any, device: Any, size: int = 2048, repeats: int
 
 
 def run_engine(engine: Any, workload: list[Any], temperature: float = 0.0) -> EngineRun:
-    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
 
     # Outside the timed region: first-call allocations, oneDNN kernel selection.
     engine.warm_up()
@@ -180,8 +180,8 @@ def run_hf_baseline(engine: Any, workload: list[Any]) -> tuple[float, int]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from kvfleet.runtime.bench_workload import standard_workload
-    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.bench.workload import standard_workload
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
     engine = LLMEngine(config)

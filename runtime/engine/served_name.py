@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.config import EngineConfig
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 

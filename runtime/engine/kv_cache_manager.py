@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvfleet.runtime.request import Request
+from kvfleet.runtime.engine.request import Request
 
 _ROOT_HASH = b"kvfleet-prefix-root"
 

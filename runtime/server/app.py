@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: aiohttp routes over an AsyncEngine.
 
-Handlers parse and validate (openai_protocol), tokenize in a worker thread (the event loop
-never waits on a tokenizer or a chat template), then await the engine's per-request stream;
-they never run a forward pass. Admission is refused (503) while loading, while draining, and
+Handlers parse and validate (`protocol`), tokenize in a worker thread (the event loop
+never waits on a tokenizer or a chat template), then hand the prompts to `generation`, which
+awaits the engine's per-request streams; no handler runs a forward pass. Admission is refused (503) while loading, while draining, and
 when more than `max_waiting_requests` sequences are already queued. Every error, expected or
 not, reaches the client in OpenAI's shape: a response, or an error event ending a stream.
 """
@@ -10,29 +10,28 @@ not, reaches the client in OpenAI's shape: a response, or an error event ending 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
-import json
 import logging
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
-from kvfleet.runtime import openai_protocol as proto
-from kvfleet.runtime.async_engine import EngineDeadError, RequestFailedError
-from kvfleet.runtime.openai_protocol import APIError
+from kvfleet.runtime.engine.request_limits import RequestError
+from kvfleet.runtime.server import protocol as proto
+from kvfleet.runtime.server import responses
+from kvfleet.runtime.server.errors import APIError, api_error
+from kvfleet.runtime.server.generation import ResponseWriter
+from kvfleet.runtime.server.json_body import parse_json_body
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvfleet import __version__, contract
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.async_engine import AsyncEngine
-    from kvfleet.runtime.request import RequestOutput, TokenLogprob
-    from kvfleet.runtime.runtime_metrics import RuntimeMetrics
-    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.async_engine import AsyncEngine
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
+    from kvfleet.runtime.server.metrics import RuntimeMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,12 +65,13 @@ class OpenAIServer:
         self._active = 0  # API requests being handled, for the drain
         self._idle = asyncio.Event()
         self._idle.set()
-        self._created = proto.now()
+        self._created = responses.now()
         self._token_text_cache: dict[int, str] = {}
         # Tokenizing and template rendering run here, off the event loop. One thread: the HF
         # tokenizer is not safe to call from several at once, and it releases the GIL while it
         # encodes, so /health and the streams keep going.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-tokenizer")
+        self._writer = ResponseWriter(engine, settings.model_name, self._token_text)
 
     # --- app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -190,8 +190,8 @@ class OpenAIServer:
         self._validate(prompts, req.params)
         with self._track():
             if req.stream:
-                return await self._stream_completion(request, req, prompts, echo_texts)
-            return await self._full_completion(req, prompts, echo_texts)
+                return await self._writer.stream_completion(request, req, prompts, echo_texts)
+            return await self._writer.full_completion(req, prompts, echo_texts)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
@@ -208,8 +208,8 @@ class OpenAIServer:
         self._validate([prompt], req.params, prompt_field="messages")
         with self._track():
             if req.stream:
-                return await self._stream_chat(request, req, prompt)
-            return await self._full_chat(req, prompt)
+                return await self._writer.stream_chat(request, req, prompt)
+            return await self._writer.full_chat(req, prompt)
 
     # --- tokenizer (vLLM's extra endpoints: count tokens, see ids, without generating) --------
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -292,7 +292,7 @@ class OpenAIServer:
                 f"body: {len(raw)} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
                 code="body_too_large",
             )
-        return proto.parse_json_body(raw)
+        return parse_json_body(raw)
 
     def _admit(self, model: str | None, num_sequences: int) -> None:
         """Refuse a request the queue has no room for: it would queue `num_sequences`
@@ -340,8 +340,6 @@ class OpenAIServer:
         self, prompts: list[list[int]], params: SamplingParams, prompt_field: str = "prompt"
     ) -> None:
         """Check each prompt against the engine's limits; a chat's prompt is its messages."""
-        from kvfleet.runtime.engine import RequestError
-
         for ids in prompts:
             try:
                 self.engine.engine.validate(ids, params)  # type: ignore[union-attr]
@@ -362,227 +360,6 @@ class OpenAIServer:
                 self._token_text_cache[token_id] = text
         return text
 
-    async def _outputs(
-        self, prompts: list[list[int]], params: SamplingParams
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every prompt as one engine request; yield (prompt index, cumulative output) as
-        they come. Leaving early aborts whatever is still running."""
-        base = uuid.uuid4().hex
-        if len(prompts) == 1:
-            async for out in self.engine.generate(f"{base}-0", prompts[0], params):
-                yield 0, out
-            return
-        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, ids: list[int]) -> None:
-            try:
-                async for out in self.engine.generate(f"{base}-{i}", ids, params):
-                    merged.put_nowait((i, out))
-                merged.put_nowait((i, None))
-            except Exception as exc:
-                merged.put_nowait((i, exc))
-
-        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await merged.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _full_completion(
-        self, req: proto.CompletionRequest, prompts: list[list[int]], echo: list[str] | None
-    ) -> web.Response:
-        n = req.params.n
-        final: dict[int, RequestOutput] = {}
-        async for i, out in self._outputs(prompts, req.params):
-            if out.finished:
-                final[i] = out
-        choices = []
-        completion_tokens = 0
-        for i in range(len(prompts)):
-            for c in final[i].outputs:
-                completion_tokens += len(c.token_ids)
-                prefix = echo[i] if echo else ""
-                choices.append(
-                    {
-                        "index": i * n + c.index,
-                        "text": prefix + c.text,
-                        "logprobs": (
-                            proto.completion_logprobs(
-                                c.logprobs, self._token_text, 0, _scored_prompt(final[i])
-                            )
-                            if c.logprobs is not None
-                            else None
-                        ),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": proto.now(),
-                "model": self.settings.model_name,
-                "choices": choices,
-                "usage": proto.usage(sum(map(len, prompts)), completion_tokens),
-            }
-        )
-
-    async def _full_chat(self, req: proto.ChatRequest, prompt: list[int]) -> web.Response:
-        final: RequestOutput | None = None
-        async for _, out in self._outputs([prompt], req.params):
-            final = out
-        assert final is not None and final.finished
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": (
-                    proto.chat_logprobs(c.logprobs, self._token_text)
-                    if c.logprobs is not None
-                    else None
-                ),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
-        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": proto.now(),
-                "model": self.settings.model_name,
-                "choices": choices,
-                "usage": proto.usage(len(prompt), completion_tokens),
-            }
-        )
-
-    async def _stream(
-        self, request: web.Request, sse: _SSE, events: Callable[[], Awaitable[dict[str, int]]]
-    ) -> web.StreamResponse:
-        """Open the stream, send `events()`'s chunks, end with usage and [DONE]; once the 200
-        is out, whatever fails ends the stream with an error event and [DONE] instead."""
-        await sse.open()
-        try:
-            usage = await events()
-        except ConnectionError:
-            raise  # the client is gone: nobody to tell
-        except Exception as exc:
-            await sse.error(api_error(exc, request))
-        else:
-            await sse.finish(usage)
-        return sse.response
-
-    async def _stream_completion(
-        self,
-        request: web.Request,
-        req: proto.CompletionRequest,
-        prompts: list[list[int]],
-        echo: list[str] | None,
-    ) -> web.StreamResponse:
-        n = req.params.n
-        sse = _SSE(
-            request, f"cmpl-{uuid.uuid4().hex}", "text_completion", self.settings, req.include_usage
-        )
-
-        async def events() -> dict[str, int]:
-            cursors = {(i, k): proto.ChoiceCursor() for i in range(len(prompts)) for k in range(n)}
-            # A scored echo waits for the prompt's logprobs, which come with the first output.
-            scored_echo = echo is not None and req.params.prompt_logprobs is not None
-            if echo and not scored_echo:
-                for i, text in enumerate(echo):
-                    for k in range(n):
-                        await sse.send([_text_choice(i * n + k, text, None, None)])
-            echo_pending = set(range(len(prompts))) if scored_echo else set()
-            completion_tokens = 0
-            async for i, out in self._outputs(prompts, req.params):
-                if i in echo_pending:
-                    assert echo is not None
-                    echo_pending.discard(i)
-                    lp = proto.completion_logprobs([], self._token_text, 0, _scored_prompt(out))
-                    end = sum(len(t) for t in lp["tokens"])
-                    for k in range(n):
-                        cursors[(i, k)].text_offset = end
-                        await sse.send([_text_choice(i * n + k, echo[i], lp, None)])
-                chunk = []
-                for c in out.outputs:
-                    cursor = cursors[(i, c.index)]
-                    offset = cursor.text_offset
-                    delta = proto.take_delta(cursor, c)
-                    if delta is None:
-                        continue
-                    lp = None
-                    if c.logprobs is not None:
-                        lp = proto.completion_logprobs(delta.logprobs, self._token_text, offset)
-                        cursor.text_offset = offset + sum(len(t) for t in lp["tokens"])
-                    chunk.append(_text_choice(i * n + c.index, delta.text, lp, delta.finish_reason))
-                    if delta.finish_reason is not None:
-                        completion_tokens += len(c.token_ids)
-                if chunk:
-                    await sse.send(chunk)
-            return proto.usage(sum(map(len, prompts)), completion_tokens)
-
-        return await self._stream(request, sse, events)
-
-    async def _stream_chat(
-        self, request: web.Request, req: proto.ChatRequest, prompt: list[int]
-    ) -> web.StreamResponse:
-        sse = _SSE(
-            request,
-            f"chatcmpl-{uuid.uuid4().hex}",
-            "chat.completion.chunk",
-            self.settings,
-            req.include_usage,
-        )
-        n = req.params.n
-
-        async def events() -> dict[str, int]:
-            cursors = [proto.ChoiceCursor() for _ in range(n)]
-            await sse.send(
-                [
-                    _chat_choice(k, {"role": "assistant", "content": ""}, None, None)
-                    for k in range(n)
-                ]
-            )
-            completion_tokens = 0
-            async for _, out in self._outputs([prompt], req.params):
-                chunk = []
-                finals = []
-                for c in out.outputs:
-                    delta = proto.take_delta(cursors[c.index], c)
-                    if delta is None:
-                        continue
-                    lp = (
-                        proto.chat_logprobs(delta.logprobs, self._token_text)
-                        if c.logprobs is not None
-                        else None
-                    )
-                    if delta.text or lp:
-                        chunk.append(_chat_choice(c.index, {"content": delta.text}, lp, None))
-                    if delta.finish_reason is not None:
-                        # finish_reason travels alone in the choice's last chunk.
-                        finals.append(_chat_choice(c.index, {}, None, delta.finish_reason))
-                        completion_tokens += len(c.token_ids)
-                if chunk:
-                    await sse.send(chunk)
-                if finals:
-                    await sse.send(finals)
-            return proto.usage(len(prompt), completion_tokens)
-
-        return await self._stream(request, sse, events)
-
 
 class _Tracker:
     """Counts an API request as in flight for the drain."""
@@ -602,74 +379,6 @@ class _Tracker:
             self._server._idle.set()
 
 
-class _SSE:
-    """A Server-Sent Events response of OpenAI chunks, ending in `data: [DONE]`."""
-
-    def __init__(
-        self,
-        request: web.Request,
-        chunk_id: str,
-        obj: str,
-        settings: ServerSettings,
-        include_usage: bool,
-    ) -> None:
-        self.request = request
-        self.response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        self._base = {
-            "id": chunk_id,
-            "object": obj,
-            "created": proto.now(),
-            "model": settings.model_name,
-        }
-        self._include_usage = include_usage
-
-    async def open(self) -> None:
-        await self.response.prepare(self.request)
-
-    async def _write(self, payload: str) -> None:
-        await self.response.write(f"data: {payload}\n\n".encode())
-
-    async def send(self, choices: list[dict[str, Any]]) -> None:
-        chunk = {**self._base, "choices": choices}
-        if self._include_usage:
-            chunk["usage"] = None
-        await self._write(json.dumps(chunk))
-
-    async def finish(self, usage: dict[str, int]) -> None:
-        if self._include_usage:
-            await self._write(json.dumps({**self._base, "choices": [], "usage": usage}))
-        await self._write("[DONE]")
-        await self.response.write_eof()
-
-    async def error(self, exc: APIError) -> None:
-        """End the stream with an error event and [DONE] (if the client is still there)."""
-        with contextlib.suppress(ConnectionError):
-            await self._write(json.dumps(exc.body()))
-            await self._write("[DONE]")
-            await self.response.write_eof()
-
-
-def _scored_prompt(out: RequestOutput) -> list[tuple[int, TokenLogprob | None]] | None:
-    """The prompt's (token id, logprob) pairs, when the request asked for them."""
-    if out.prompt_logprobs is None:
-        return None
-    return list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
-
-
-def _text_choice(
-    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
-) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _chat_choice(
-    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
-) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
 def _render_chat(
     engine: Any, messages: list[dict[str, str]], opts: proto.ChatTemplateOptions
 ) -> str:
@@ -681,28 +390,6 @@ def _render_chat(
         raise APIError(
             400, f"messages: the chat template rejected them: {exc}", param="messages"
         ) from exc
-
-
-def api_error(exc: Exception, request: web.Request) -> APIError:
-    """What the client is told of an exception: its own error for the expected ones, and for a
-    bug a 500 that names the request in the log where its traceback is."""
-    from kvfleet.runtime.engine import RequestError
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestError):
-        return APIError(400, str(exc), param=exc.field)
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_unavailable")
-    if isinstance(exc, RequestFailedError):
-        return APIError(500, str(exc), code="request_failed")
-    request_id = uuid.uuid4().hex[:16]
-    log.error("internal error %s on %s %s", request_id, request.method, request.path, exc_info=exc)
-    return APIError(
-        500,
-        f"internal error {request_id} while handling the request; the server logged it",
-        code="internal_error",
-    )
 
 
 def _unavailable(message: str, code: str = "unavailable") -> APIError:

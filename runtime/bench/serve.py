@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvfleet.runtime.config import add_engine_args
+from kvfleet.runtime.engine.config import add_engine_args
 
 LONG_PROMPT_TOKENS = 2048
 SHARED_PREFIX_CONCURRENCY = 8
@@ -251,7 +251,7 @@ async def drive(
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], int]]:
     """The standard workload, with the scenario's shared prefix or long prompts mixed in."""
     import numpy as np
-    from kvfleet.runtime.bench_workload import standard_workload
+    from kvfleet.runtime.bench.workload import standard_workload
 
     items = [
         (w.prompt_token_ids, w.output_len)
@@ -380,7 +380,7 @@ async def _run_spawned(
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet.runtime.loader import load_tokenizer, resolve_tokenizer
+    from kvfleet.runtime.models.loader import load_tokenizer, resolve_tokenizer
 
     # The prompts are token ids: they must come from the tokenizer the server will use.
     tokenizer = load_tokenizer(resolve_tokenizer(args.tokenizer) if args.tokenizer else args.model)
@@ -434,7 +434,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 sweep.append(await drive(url, level_workload, c, args.timeout))
         result["sweep"] = [r.public() for r in sweep]
         if args.plot:
-            from kvfleet.runtime.bench_plots import plot_concurrency_sweep
+            from kvfleet.runtime.bench.plots import plot_concurrency_sweep
 
             plot_concurrency_sweep(sweep, args.plot)
         return result
@@ -458,7 +458,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         runs[f"concurrency {args.concurrency}"] = run
         result.update(run.public())
     if args.plot:
-        from kvfleet.runtime.bench_plots import plot_latency_cdfs
+        from kvfleet.runtime.bench.plots import plot_latency_cdfs
 
         plot_latency_cdfs(runs, args.plot)
     return result

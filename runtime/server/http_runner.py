@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
-from kvfleet.runtime.openai_protocol import APIError
+from kvfleet.runtime.server.errors import APIError
 
 
 class _OpenAIErrorHandler(RequestHandler):

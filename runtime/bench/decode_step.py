@@ -154,8 +154,8 @@ def _row_limits(torch, dtype) -> tuple[int, int]:
 def measure(model: str, sequences: list[int], context: int, iters: int, dtype_name: str) -> dict:
     import torch
     from kvfleet.kernels.cpu import cpu_decode_step
-    from kvfleet.runtime.engine import resolve_dtype
-    from kvfleet.runtime.loader import load_model
+    from kvfleet.runtime.engine.device import resolve_dtype
+    from kvfleet.runtime.models.loader import load_model
 
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     lo, hi = _row_limits(torch, dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from kvfleet.kernels import dispatch
-from kvfleet.runtime.request import Request, TokenLogprob
+from kvfleet.runtime.engine.request import Request, TokenLogprob
 
 
 class Sampler:

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from kvfleet.runtime.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
 # bf16: the AMX kernel's old and current limits. float32: none (the kernel needs 4 rows) and
 # the current limit.
@@ -155,9 +155,9 @@ def routed_kernel(device: Any, dtype: Any) -> Any:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet.runtime.bench_throughput import run_engine
-    from kvfleet.runtime.bench_workload import standard_workload
-    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.bench.throughput import run_engine
+    from kvfleet.runtime.bench.workload import standard_workload
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
     engine = LLMEngine(config)

@@ -1,0 +1,31 @@
+"""The device and dtypes an engine runs in, from the --device, --dtype and --kv-cache-dtype
+flags ("auto" resolved against the machine)."""
+
+from __future__ import annotations
+
+import torch
+from kvfleet.kernels.cpu import cpu_features
+from kvfleet.runtime.engine.config import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name} was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or cpu_features.native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, name)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for --kv-cache-dtype (auto: the model's)."""
+    if name == "auto":
+        return model_dtype
+    return torch.float8_e5m2 if name == "fp8_e5m2" else torch.float8_e4m3fn

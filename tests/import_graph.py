@@ -1,0 +1,44 @@
+"""What a source file imports, read with `ast` (function-local imports too, relative ones
+resolved), for the tests that hold the folders to DESIGN.md's boundaries."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Code folder -> the package it is installed as (pyproject's package-dir).
+PACKAGES = {
+    "runtime": "kvfleet.runtime",
+    "kernels": "kvfleet.kernels",
+    "operator": "kvfleet.operator",
+    "kvfleet": "kvfleet",
+}
+
+
+def package_of(folder: Path, root: Path = ROOT) -> str:
+    """The dotted package of a code folder (kvfleet.kernels.cpu for kernels/cpu)."""
+    top, *rest = folder.relative_to(root).parts
+    return ".".join((PACKAGES[top], *rest))
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, absolute module name) for every import in the file, function-local ones too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.ImportFrom):  # relative: resolve against the file's package
+            package = package_of(path.parent, root).split(".")
+            base = ".".join(package[: len(package) - (node.level - 1)])
+            if node.module:
+                found.append((node.lineno, f"{base}.{node.module}"))
+            else:  # `from .. import x`: each name may be a module
+                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def is_within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
