@@ -10,7 +10,7 @@ PORT    ?= 8000
 MODEL   ?= bundled
 PYTEST_ARGS ?=
 
-.PHONY: run test lint bench bench-serve install clean
+.PHONY: run test lint bench install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)

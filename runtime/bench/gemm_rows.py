@@ -40,7 +40,8 @@ BUCKETS = (
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gemm-rows",
-        help="AMX GEMM vs oneDNN hand-over points, paired on each step of a run (CPU, bf16)",
+        help="kvfleet's GEMM vs the library's hand-over points, paired on each step of a run "
+        "(CPU: AMX in bf16, AVX-512 in float32)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
