@@ -18,6 +18,7 @@ import pytest
 from fake_hub import fake_hub
 from kvfleet.runtime.models import hub as hub_module
 from kvfleet.runtime.models.errors import ModelLoadError
+from server_fixtures import request, running_server
 
 TOKEN = "hf_test_token"
 PROMPT = ["--prompt", "The capital of France is", "--max-tokens", "6"]
@@ -115,6 +116,14 @@ def test_generate_from_a_hub_id_then_from_the_cache_with_the_hub_gone(hub, env) 
     third = kvfleet("generate", "--model", "org/tiny", *PROMPT, env=unreachable)
     assert third.returncode == 0, third.stderr
     assert third.stdout == first.stdout
+
+
+def test_serve_answers_under_the_hub_id_as_vllm_does(hub, env, tmp_path) -> None:
+    with running_server("org/tiny", tmp_path, env=env) as server:
+        models = request(server.port, "GET", "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["org/tiny"]
+        body = {"model": "org/tiny", "prompt": "Hello", "max_tokens": 2}
+        assert request(server.port, "POST", "/v1/completions", body).status == 200
 
 
 def test_download_fetches_only_what_the_runtime_reads(hub, env) -> None:
