@@ -28,6 +28,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
         "transformers>=4.50,<6" \
         "safetensors>=0.4" \
         "tokenizers>=0.20" \
+        "huggingface-hub>=1.0" \
         "gguf>=0.10" \
         "accelerate>=1.0" \
         "aiohttp>=3.9,<4" \
