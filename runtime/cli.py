@@ -16,6 +16,7 @@ from kvfleet import __version__
 # (module, why it is separate): order is the order shown in --help.
 COMMAND_MODULES = (
     "kvfleet.runtime.cmd_generate",
+    "kvfleet.runtime.cmd_download",
     "kvfleet.runtime.server.cmd_serve",
     "kvfleet.runtime.bench.cmd_bench",
     "kvfleet.operator.cmd_operator",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -55,6 +55,8 @@ class EngineConfig:
     """Everything that shapes the engine. Defaults suit the bundled model on a laptop CPU."""
 
     model: str = "bundled"
+    revision: str | None = None  # a Hub model's branch, tag or commit (None: main)
+    hf_token: str | None = field(default=None, repr=False)  # None: $HF_TOKEN
     tokenizer: str | None = None  # None: the model's own (random:* models: the bundled one)
     dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU runs it fast, else float32
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 halves the cache (lossy)
@@ -110,7 +112,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=d.model,
-        help="Hugging Face folder, a .gguf file, or 'bundled' (SmolLM2-135M-Instruct)",
+        help="a Hugging Face folder, a Hub id (org/name, downloaded into $HF_HOME once), a .gguf "
+        "file, or 'bundled' (SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--revision",
+        default=None,
+        help="a Hub model's branch, tag or commit (default: main)",
+    )
+    g.add_argument(
+        "--hf-token",
+        default=None,
+        help="Hugging Face token for gated or private Hub models (default: $HF_TOKEN)",
     )
     g.add_argument(
         "--tokenizer",

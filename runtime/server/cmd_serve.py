@@ -66,11 +66,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="largest request body accepted (413 beyond)",
     )
     g.add_argument(
-        "--revision",
-        default=None,
-        help="model revision (for hub models fetched before start; recorded only)",
-    )
-    g.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),

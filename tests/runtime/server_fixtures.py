@@ -161,8 +161,10 @@ def start_server(
 
 
 @contextmanager
-def running_server(model: Path | str, log_dir: Path, *args: str) -> Iterator[ServerProcess]:
-    server = start_server(model, log_dir, *args)
+def running_server(
+    model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    server = start_server(model, log_dir, *args, env=env)
     try:
         server.wait_healthy()
         yield server

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -344,3 +346,45 @@ def test_tokenizer_flag_reaches_the_engine_config() -> None:
     config = engine_config_from_args(parser.parse_args(["--tokenizer", "/models/tok"]))
     assert config.tokenizer == "/models/tok"
     assert engine_config_from_args(parser.parse_args([])).tokenizer is None
+
+
+def test_loading_holds_the_weights_once_not_twice(tmp_path: Path) -> None:
+    """safetensors maps the files (page cache the kernel can drop); the process's own memory
+    grows by the weights plus one tensor in flight, so a pod sized for its weights and the KV
+    budget fits. Sampled as RssAnon (anonymous memory) while a 250 MB model loads."""
+    from tiny_models import make_tiny_model
+
+    folder = make_tiny_model(
+        tmp_path / "m",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert weights > 200e6
+    code = f"""
+import threading, time, torch
+from kvfleet.runtime.models.loader import load_model
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+peak, done = [anon()], threading.Event()
+def sample():
+    while not done.is_set():
+        peak.append(anon()); time.sleep(0.002)
+t = threading.Thread(target=sample); t.start()
+base = anon()
+model, _, _ = load_model({str(folder)!r}, torch.float32, "cpu")
+done.set(); t.join()
+print(max(peak) - base)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    growth = int(result.stdout.split()[-1])
+    assert weights * 0.9 < growth < weights * 1.3, (growth, weights)
