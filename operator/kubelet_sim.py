@@ -436,13 +436,8 @@ class KubeletSim:
 
         async def read_data(kind: str, name: str) -> Mapping[str, Any] | None:
             resource = SECRETS if kind == "Secret" else CONFIGMAPS
-            try:
-                obj = await asyncio.to_thread(self.api.get, resource, self.namespace, name)
-            except KubeApiError as exc:
-                if exc.status != 404:  # a collection the server does not have: not found
-                    raise
-                obj = None
-            return None if obj is None else (obj.get("data") or {})
+            obj = await asyncio.to_thread(self.api.get, resource, self.namespace, name)
+            return None if obj is None else (obj.get("data") or {})  # a 404 is None
 
         try:
             return await container_env(
