@@ -17,7 +17,7 @@ from kvfleet.operator.spec import ModelSpec
 
 # An 8B model in bfloat16 is about 15Gi: the common one-GPU case fits without a hint.
 DEFAULT_SIZE_HINT = "20Gi"
-# Beyond the weights: tokenizer and config files, the Hub's partial-download files (a 10%
+# Beyond the weights: tokenizer, config and index files and a sizeHint rounded down (a 10%
 # share), plus compiled Triton kernels, /tmp and container logs on the same disk (1Gi).
 HEADROOM_FRACTION = 0.10
 HEADROOM_BYTES = 1 * GI
