@@ -1,11 +1,19 @@
 """A stand-in for the kubelet and the Deployment controller: real runtime processes as pods.
 
-Used by the autoscaling end-to-end test and `kvfleet demo autoscale`, against an API server
-with no nodes (the test emulator). It polls the Deployments of one namespace and, for each
-wanted replica, starts a real `kvfleet serve` process from the pod template's container args,
-bound to its own loopback address (127.0.0.2, 127.0.0.3, …), like a pod IP. It writes the Pod
-objects (template labels, an ownerReference to the Deployment, podIP, a Ready condition once
-/health answers 200) and the Deployment's status.
+Used by the end-to-end tests and `kvfleet demo autoscale`, against an API server with no nodes
+(the test emulator). It polls the Deployments of one namespace and, for each wanted replica,
+starts a real `kvfleet serve` process from the pod template's container args, bound to its own
+loopback address (127.0.0.2, 127.0.0.3, …), like a pod IP. It writes the Pod objects (template
+labels, an ownerReference to the Deployment, podIP, a Ready condition once /health answers 200)
+and the Deployment's status. Volumes, paths and env are translated to the host as
+container_process.py says.
+
+Init containers (`kvfleet download` for hf:// models) run first, one after the other, each to
+completion: meanwhile the Pod is Pending with `initContainerStatuses`. One that exits non-zero
+fails the pod as a kubelet would show it (init container waiting in CrashLoopBackOff, its last
+exit code and log tail as the termination message, a Warning Event on the Pod) but is not
+restarted: a test wants to see the failure, not a loop of them. A Secret or key the env needs
+that is missing is a CreateContainerConfigError the same way. Then the main container starts.
 
 Scale-down follows a real kubelet's graceful termination: the Pod is deleted (it carries a
 finalizer, so it stays, with a deletionTimestamp, while it terminates) and marked not ready so
@@ -26,7 +34,6 @@ import asyncio
 import contextlib
 import copy
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -39,6 +46,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kvfleet.operator.container_process import (
+    ContainerConfigError,
+    container_env,
+    host_path,
+    kvfleet_command,
+    mount_table,
+    termination_message,
+    volume_folders,
+)
 from kvfleet.operator.kube_api import DEPLOYMENTS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import MetricsParseError, parse_runtime_metrics
 
@@ -52,6 +68,9 @@ FINALIZER = "kvfleet.dev/kubelet-sim"
 _DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 FIRST_IP = 2  # 127.0.0.1 stays the API server's and the load's
 NODE_NAME = "kubelet-sim"
+SECRETS = ("", "v1", "secrets")
+CONFIGMAPS = ("", "v1", "configmaps")
+EVENTS = ("", "v1", "events")
 
 
 def pod_ips(count: int) -> list[str]:
@@ -100,7 +119,7 @@ def serve_command(
             args[args.index(flag) + 1] = value
         else:
             args += [flag, value]
-    return [python, "-m", "kvfleet.runtime.cli", *args]
+    return kvfleet_command({**container, "command": ["kvfleet"], "args": args}, python)
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,27 +129,53 @@ class PodEvent:
     at: float  # time.time()
     pod: str
     ip: str
-    what: str  # started, ready, terminating, exited, crashed
+    # initializing, init-started, init-done, init-failed, config-error, started, ready,
+    # terminating, exited, crashed, killed
+    what: str
     detail: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class Waiting:
+    """A container that cannot run: why, as the kubelet's waiting state and last exit say."""
+
+    container: str
+    reason: str  # CrashLoopBackOff, CreateContainerConfigError
+    message: str
+    exit_code: int | None = None  # of the failed run, for CrashLoopBackOff
+    log_tail: str = ""
 
 
 @dataclass(slots=True)
 class SimPod:
-    """One runtime process playing a pod."""
+    """One pod: its init containers' processes in turn, then the runtime process."""
 
     name: str
     deployment: str
     ip: str
-    process: asyncio.subprocess.Process
+    template: dict[str, Any]
     log_path: Path
     grace_seconds: float
     prestop_seconds: float
+    volumes: dict[str, Path] = field(default_factory=dict)  # translated volumes, by name
+    uid: str = ""
+    process: asyncio.subprocess.Process | None = None  # the main container, once started
+    init_names: tuple[str, ...] = ()
+    init_done: int = 0  # init containers that completed
+    init_process: asyncio.subprocess.Process | None = None
+    init_task: asyncio.Task[None] | None = None
+    waiting: Waiting | None = None  # set when a container failed to start or init failed
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
     terminating: bool = False
     crashed: bool = False
     in_flight_at_sigterm: float | None = None
     exit_code: int | None = None
+
+    @property
+    def initializing(self) -> bool:
+        """Init containers are still to complete, and none failed."""
+        return self.init_done < len(self.init_names) and self.waiting is None
 
 
 @dataclass(slots=True)
@@ -146,6 +191,7 @@ class KubeletSim:
     stop_timeout: float = 30.0
     python: str = sys.executable
     port: int = 0  # 0: choose at start (see choose_port)
+    pvc_root: Path | None = None  # folders of PersistentVolumeClaims; None: log_dir/pvcs
     pods: dict[str, SimPod] = field(default_factory=dict)
     events: list[PodEvent] = field(default_factory=list)
     _ips: list[str] = field(default_factory=list)
@@ -157,6 +203,8 @@ class KubeletSim:
         self._ips = pod_ips(self.max_pods)
         if not self.port:
             self.port = choose_port(self._ips)
+        if self.pvc_root is None:
+            self.pvc_root = self.log_dir / "pvcs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     # --- public -------------------------------------------------------------------------
@@ -202,7 +250,7 @@ class KubeletSim:
             await asyncio.gather(*self._stopping, return_exceptions=True)
         for pod in list(self.pods.values()):  # anything a failed termination left behind
             await self._kill(pod)
-            self.pods.pop(pod.name, None)
+            self._remove(pod)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -263,14 +311,18 @@ class KubeletSim:
     async def _start_pod(self, deployment: Mapping[str, Any]) -> None:
         meta = deployment["metadata"]
         template = copy.deepcopy(deployment["spec"]["template"])
-        container = template["spec"]["containers"][0]
+        pod_spec = template["spec"]
+        container = pod_spec["containers"][0]
+        inits = list(pod_spec.get("initContainers") or [])
         used = {p.ip for p in self.pods.values()}
         ip = next(i for i in self._ips if i not in used)
         name = f"{meta['name']}-{uuid.uuid4().hex[:5]}"
-        command = serve_command(container, ip, self.port, self.python)
-        launch = [*_DIE_WITH_PARENT, *command]
+        # Refuse what cannot run before any object exists (as for a main container).
+        serve_command(container, ip, self.port, self.python)
+        for init in inits:
+            kvfleet_command(init, self.python)
         prestop = ((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}
-        grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
+        grace = float(pod_spec.get("terminationGracePeriodSeconds") or 30)
         pod_obj = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -291,33 +343,144 @@ class KubeletSim:
                 ],
                 "finalizers": [FINALIZER],
             },
-            "spec": {**template["spec"], "nodeName": NODE_NAME},
+            "spec": {**pod_spec, "nodeName": NODE_NAME},
         }
-        await asyncio.to_thread(self.api.create, PODS, self.namespace, pod_obj)
-        log_path = self.log_dir / f"{name}.log"
+        created = await asyncio.to_thread(self.api.create, PODS, self.namespace, pod_obj)
+        assert self.pvc_root is not None
+        pod = SimPod(
+            name=name,
+            uid=(created.get("metadata") or {}).get("uid", ""),
+            deployment=meta["name"],
+            ip=ip,
+            template=template,
+            log_path=self.log_dir / f"{name}.log",
+            grace_seconds=grace,
+            prestop_seconds=min(float(prestop.get("seconds") or 0), self.prestop_cap_seconds),
+            volumes=volume_folders(pod_spec, self.log_dir / "volumes" / name, self.pvc_root),
+            init_names=tuple(i["name"] for i in inits),
+        )
+        for folder in pod.volumes.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        self.pods[name] = pod
+        if inits:
+            self._event(pod, "initializing", ", ".join(pod.init_names))
+            await self._write_pod_status(pod)
+            pod.init_task = asyncio.create_task(self._initialize(pod), name=f"init-{name}")
+        else:
+            await self._start_main(pod)
+
+    async def _initialize(self, pod: SimPod) -> None:
+        """Run the init containers in order, then the main one; stop at the first failure."""
+        try:
+            for container in pod.template["spec"]["initContainers"]:
+                if pod.terminating:
+                    return
+                code = await self._run_init(pod, container)
+                if code is None or pod.terminating:
+                    return
+                if code != 0:
+                    await self._fail_init(pod, container["name"], code)
+                    return
+                pod.init_done += 1
+                self._event(pod, "init-done", container["name"])
+                await self._write_pod_status(pod)
+            if not pod.terminating:
+                await self._start_main(pod)
+        except Exception as exc:  # a task nobody awaits: say what stopped it
+            log.exception("kubelet-sim: pod %s: init failed", pod.name)
+            main = pod.template["spec"]["containers"][0]["name"]
+            pod.waiting = Waiting(main, "RunContainerError", f"kubelet simulator: {exc}")
+            await self._write_pod_status(pod)
+
+    async def _run_init(self, pod: SimPod, container: Mapping[str, Any]) -> int | None:
+        """One init container's exit code; None when it could not be created."""
+        name = container["name"]
+        mounts = mount_table(container, pod.volumes)
+        command = [host_path(a, mounts) for a in kvfleet_command(container, self.python)]
+        env = await self._env(pod, container, mounts)
+        if env is None:
+            return None
+        log_path = self.log_dir / f"{pod.name}.{name}.log"
         with log_path.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                *launch,
+            pod.init_process = await asyncio.create_subprocess_exec(
+                *_DIE_WITH_PARENT,
+                *command,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=env,
             )
-        pod = SimPod(
-            name=name,
-            deployment=meta["name"],
-            ip=ip,
-            process=process,
-            log_path=log_path,
-            grace_seconds=grace,
-            prestop_seconds=min(float(prestop.get("seconds") or 0), self.prestop_cap_seconds),
+        self._event(pod, "init-started", f"{name}: {' '.join(command[3:])}")
+        await self._write_pod_status(pod)
+        return await pod.init_process.wait()
+
+    async def _fail_init(self, pod: SimPod, name: str, code: int) -> None:
+        log_path = self.log_dir / f"{pod.name}.{name}.log"
+        pod.waiting = Waiting(
+            name,
+            "CrashLoopBackOff",
+            f"back-off restarting failed container {name} in pod {pod.name}",
+            exit_code=code,
+            log_tail=termination_message(log_path),
         )
-        self.pods[name] = pod
+        self._event(pod, "init-failed", f"{name} exit code {code}; log {log_path}")
+        await self._write_pod_status(pod)
+        await self._post_event(
+            pod, "BackOff", f"Back-off restarting failed container {name} in pod {pod.name}"
+        )
+
+    async def _env(
+        self, pod: SimPod, container: Mapping[str, Any], mounts: list[tuple[str, Path]]
+    ) -> dict[str, str] | None:
+        """The container's environment, or None (and the pod waiting) when it cannot be made."""
+
+        async def read_data(kind: str, name: str) -> Mapping[str, Any] | None:
+            resource = SECRETS if kind == "Secret" else CONFIGMAPS
+            obj = await asyncio.to_thread(self.api.get, resource, self.namespace, name)
+            return None if obj is None else (obj.get("data") or {})  # a 404 is None
+
+        try:
+            return await container_env(
+                container,
+                mounts,
+                namespace=self.namespace,
+                pod_name=pod.name,
+                pod_ip=pod.ip,
+                node_name=NODE_NAME,
+                read_data=read_data,
+            )
+        except ContainerConfigError as exc:
+            name = container["name"]
+            pod.waiting = Waiting(name, "CreateContainerConfigError", str(exc))
+            self._event(pod, "config-error", f"{name}: {exc}")
+            await self._write_pod_status(pod)
+            await self._post_event(pod, "Failed", f"Error: {exc}")
+            return None
+
+    async def _start_main(self, pod: SimPod) -> None:
+        container = pod.template["spec"]["containers"][0]
+        mounts = mount_table(container, pod.volumes)
+        command = serve_command(container, pod.ip, self.port, self.python)
+        command = [host_path(a, mounts) for a in command]
+        env = await self._env(pod, container, mounts)
+        if env is None:
+            return
+        with pod.log_path.open("wb") as out:
+            pod.process = await asyncio.create_subprocess_exec(
+                *_DIE_WITH_PARENT,
+                *command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+            )
         self._event(pod, "started", " ".join(command[3:]))
         await self._write_pod_status(pod)
 
     async def _check(self, pod: SimPod) -> None:
         """Readiness probe and crash detection for a running pod."""
+        if pod.process is None:  # initializing, or it never started
+            return
         code = pod.process.returncode
         if code is not None and not pod.crashed:
             # Not asked to stop: report it like CrashLoopBackOff would, and do not restart
@@ -355,17 +518,27 @@ class KubeletSim:
                     self.api.request, "DELETE", self.api.path(PODS, self.namespace, pod.name)
                 )
             await self._write_pod_status(pod)
-            if prestop and pod.prestop_seconds:
-                await asyncio.sleep(pod.prestop_seconds)
-            pod.in_flight_at_sigterm = await self._in_flight(pod)
-            if pod.process.returncode is None:
-                pod.process.send_signal(signal.SIGTERM)
             timeout = min(pod.grace_seconds, self.stop_timeout)
-            try:
-                pod.exit_code = await asyncio.wait_for(pod.process.wait(), timeout)
-            except TimeoutError:
-                await self._kill(pod)
-            self._event(pod, "exited", f"exit code {pod.exit_code}")
+            if pod.init_task is not None and not pod.init_task.done():
+                # A running init container gets SIGTERM too; _initialize then starts nothing.
+                init = pod.init_process
+                if init is not None and init.returncode is None:
+                    init.send_signal(signal.SIGTERM)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(pod.init_task), timeout)
+            if pod.process is not None:
+                if prestop and pod.prestop_seconds:
+                    await asyncio.sleep(pod.prestop_seconds)
+                pod.in_flight_at_sigterm = await self._in_flight(pod)
+                if pod.process.returncode is None:
+                    pod.process.send_signal(signal.SIGTERM)
+                try:
+                    pod.exit_code = await asyncio.wait_for(pod.process.wait(), timeout)
+                except TimeoutError:
+                    await self._kill(pod)
+                self._event(pod, "exited", f"exit code {pod.exit_code}")
+            else:
+                self._event(pod, "exited", "before its main container started")
             with contextlib.suppress(KubeApiError):
                 await asyncio.to_thread(
                     self.api.request,
@@ -375,14 +548,24 @@ class KubeletSim:
                     content_type="application/merge-patch+json",
                 )
         finally:
+            if pod.init_task is not None and not pod.init_task.done():
+                pod.init_task.cancel()
             await self._kill(pod)  # only does something when cancelled or failed
-            self.pods.pop(pod.name, None)
+            self._remove(pod)
 
     async def _kill(self, pod: SimPod) -> None:
-        if pod.process.returncode is None:
-            pod.process.kill()
-            pod.exit_code = await pod.process.wait()
-            self._event(pod, "killed", f"still running after {self.stop_timeout:g}s")
+        for process in (pod.init_process, pod.process):
+            if process is not None and process.returncode is None:
+                process.kill()
+                code = await process.wait()
+                if process is pod.process:
+                    pod.exit_code = code
+                self._event(pod, "killed", f"still running after {self.stop_timeout:g}s")
+
+    def _remove(self, pod: SimPod) -> None:
+        """Forget the pod; its emptyDir folders go with it (claims' folders stay)."""
+        self.pods.pop(pod.name, None)
+        shutil.rmtree(self.log_dir / "volumes" / pod.name, ignore_errors=True)
 
     async def _in_flight(self, pod: SimPod) -> float | None:
         """Requests running or queued on the pod just before SIGTERM (what the drain covers)."""
@@ -398,32 +581,38 @@ class KubeletSim:
 
     # --- objects ------------------------------------------------------------------------
     async def _write_pod_status(self, pod: SimPod) -> None:
-        ready = pod.ready and not pod.terminating
-        if pod.crashed:
-            state: dict[str, Any] = {"terminated": {"exitCode": pod.exit_code, "reason": "Error"}}
-        else:
-            state = {"running": {"startedAt": _rfc3339()}}
-        status = {
-            "phase": "Failed" if pod.crashed else "Running",
-            "podIP": pod.ip,
-            "podIPs": [{"ip": pod.ip}],
-            "hostIP": "127.0.0.1",
-            "conditions": [
-                {"type": "Ready", "status": "True" if ready else "False"},
-                {"type": "ContainersReady", "status": "True" if ready else "False"},
-            ],
-            "containerStatuses": [
-                {
-                    "name": "runtime",
-                    "ready": ready,
-                    "started": not pod.crashed,
-                    "state": state,
-                    "restartCount": 0,
-                }
-            ],
-        }
         with contextlib.suppress(KubeApiError):  # the pod may be gone already
-            await asyncio.to_thread(self.api.patch_status, PODS, self.namespace, pod.name, status)
+            await asyncio.to_thread(
+                self.api.patch_status, PODS, self.namespace, pod.name, pod_status(pod)
+            )
+
+    async def _post_event(self, pod: SimPod, reason: str, message: str) -> None:
+        """A Warning Event on the Pod, as the kubelet records failures for kubectl describe."""
+        now = _rfc3339()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{pod.name}.{uuid.uuid4().hex[:16]}",
+                "namespace": self.namespace,
+            },
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod.name,
+                "namespace": self.namespace,
+                "uid": pod.uid,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning",
+            "source": {"component": "kubelet", "host": NODE_NAME},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        with contextlib.suppress(KubeApiError):
+            await asyncio.to_thread(self.api.create, EVENTS, self.namespace, event)
 
     async def _write_deployment_status(self, deployment: Mapping[str, Any]) -> None:
         name = deployment["metadata"]["name"]
@@ -458,6 +647,70 @@ class KubeletSim:
     def _event(self, pod: SimPod, what: str, detail: str = "") -> None:
         self.events.append(PodEvent(time.time(), pod.name, pod.ip, what, detail))
         log.info("kubelet-sim: pod %s (%s) %s %s", pod.name, pod.ip, what, detail)
+
+
+def pod_status(pod: SimPod) -> dict[str, Any]:
+    """The Pod's status as a kubelet would write it for the simulated pod's state."""
+    ready = pod.ready and not pod.terminating
+    waiting = pod.waiting
+    main_name = pod.template["spec"]["containers"][0]["name"]
+    inits: list[dict[str, Any]] = []
+    for index, name in enumerate(pod.init_names):
+        if waiting is not None and waiting.container == name:
+            inits.append(_waiting_status(name, waiting))
+        elif index < pod.init_done:
+            state = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+            inits.append(_container_status(name, state, ready=True))
+        elif index == pod.init_done and pod.init_process is not None and pod.initializing:
+            inits.append(_container_status(name, {"running": {"startedAt": _rfc3339()}}))
+        else:
+            inits.append(_container_status(name, {"waiting": {"reason": "PodInitializing"}}))
+    if waiting is not None and waiting.container == main_name:
+        main = _waiting_status(main_name, waiting)
+    elif pod.process is None:
+        main = _container_status(main_name, {"waiting": {"reason": "PodInitializing"}})
+    elif pod.crashed:
+        state = {"terminated": {"exitCode": pod.exit_code, "reason": "Error"}}
+        main = _container_status(main_name, state)
+    else:
+        main = _container_status(main_name, {"running": {"startedAt": _rfc3339()}}, ready=ready)
+        main["started"] = True
+    initialized = pod.init_done >= len(pod.init_names)
+    status: dict[str, Any] = {
+        "phase": "Failed" if pod.crashed else "Running" if pod.process else "Pending",
+        "podIP": pod.ip,
+        "podIPs": [{"ip": pod.ip}],
+        "hostIP": "127.0.0.1",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Initialized", "status": "True" if initialized else "False"},
+            {"type": "Ready", "status": "True" if ready else "False"},
+            {"type": "ContainersReady", "status": "True" if ready else "False"},
+        ],
+        "containerStatuses": [main],
+    }
+    if inits:
+        status["initContainerStatuses"] = inits
+    return status
+
+
+def _container_status(name: str, state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
+    return {"name": name, "ready": ready, "started": False, "state": state, "restartCount": 0}
+
+
+def _waiting_status(name: str, waiting: Waiting) -> dict[str, Any]:
+    out = _container_status(
+        name, {"waiting": {"reason": waiting.reason, "message": waiting.message}}
+    )
+    if waiting.exit_code is not None:
+        out["lastState"] = {
+            "terminated": {
+                "exitCode": waiting.exit_code,
+                "reason": "Error",
+                "message": waiting.log_tail,
+            }
+        }
+    return out
 
 
 def _rfc3339() -> str:

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvfleet.operator.model_cache import ModelCachePlan, plan_model_cache
 from kvfleet.operator.model_uri import parse_model_uri
-from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, parse_spec
+from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, SecretKeyRef, parse_spec
 
 from kvfleet import contract
 
@@ -18,6 +19,7 @@ MANAGED_BY = "kvfleet-operator"
 APP_NAME = "kvfleet"
 COMPONENT = "inference"
 CONTAINER_NAME = "runtime"
+DOWNLOAD_CONTAINER_NAME = "model-download"
 SERVICE_PORT = 80
 GPU_RESOURCE = "nvidia.com/gpu"
 # The Deployment carries the InferenceService generation it was rendered from, so the status
@@ -26,8 +28,12 @@ GENERATION_ANNOTATION = "kvfleet.dev/generation"
 PRESTOP_SLEEP_SECONDS = 5  # lets endpoints controllers drop the pod before SIGTERM
 GRACE_MARGIN_SECONDS = 15  # beyond preStop + drain, for the process to exit
 STARTUP_PROBE_PERIOD = 10
-STARTUP_PROBE_FAILURES = 180  # 30 minutes: a large model pulled from the Hub loads slowly
-CACHE_DIR = "/var/cache/kvfleet"
+# 30 minutes: a large model loads slowly from network storage (pvc://) or on CPU. hf://
+# downloads happen before, in the init container, so this window never covers them.
+STARTUP_PROBE_FAILURES = 180
+PROGRESS_MARGIN_SECONDS = 600
+CACHE_DIR = "/var/cache/kvfleet"  # compiled kernels, converted models; HF_HOME below it
+HF_HOME = f"{CACHE_DIR}/huggingface"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -100,30 +106,51 @@ def runtime_args(spec: InferenceServiceSpec, name: str) -> list[str]:
     return args + list(rt.extra_args)
 
 
+def download_args(spec: InferenceServiceSpec) -> list[str]:
+    """The `kvfleet download` command line of the init container (hf:// models)."""
+    source = parse_model_uri(spec.model.uri)
+    args = ["download", "--model", source.model_arg]
+    if source.revision:
+        args += ["--revision", source.revision]
+    return args
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
 def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": HF_HOME}]
     if spec.api_key_secret_ref is not None:
-        ref = spec.api_key_secret_ref
-        env.append(
-            {
-                "name": contract.API_KEY_ENV,
-                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-            }
-        )
-    if spec.model.hf_token_secret_ref is not None:
-        ref = spec.model.hf_token_secret_ref
-        env.append(
-            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-        )
+        env.append(_secret_env(contract.API_KEY_ENV, spec.api_key_secret_ref))
+    if parse_model_uri(spec.model.uri).from_hub:
+        # The weights are on disk before the runtime starts (init container or a filled
+        # claim): it must not reach for the Hub, so it needs no token either.
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     # User entries come last so that they can override ours (Kubernetes keeps the last one).
     env.extend(dict(e) for e in spec.env)
     return env
 
 
-def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+def _download_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": HF_HOME}]
+    if spec.model.hf_token_secret_ref is not None:
+        env.append(_secret_env("HF_TOKEN", spec.model.hf_token_secret_ref))
+    # The user's variables (HF_ENDPOINT, proxies, HF_HUB_ENABLE_HF_TRANSFER...) reach the
+    # download too, and may override ours.
+    env.extend(dict(e) for e in spec.env)
+    return env
+
+
+def _resources(
+    spec: InferenceServiceSpec, plan: ModelCachePlan, gpus: bool = True
+) -> dict[str, Any]:
     requests: dict[str, str] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     limits: dict[str, str] = {"memory": spec.resources.memory}
-    if spec.resources.gpus > 0:
+    if plan.ephemeral_storage:
+        # Requested, not limited: the emptyDir's sizeLimit bounds the cache itself.
+        requests["ephemeral-storage"] = plan.ephemeral_storage
+    if gpus and spec.resources.gpus > 0:
         # Extended resources must have requests == limits.
         requests[GPU_RESOURCE] = str(spec.resources.gpus)
         limits[GPU_RESOURCE] = str(spec.resources.gpus)
@@ -139,19 +166,33 @@ def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     }
 
 
-def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    spec: InferenceServiceSpec, plan: ModelCachePlan
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     source = parse_model_uri(spec.model.uri)
+    cache: dict[str, Any] = {}
+    if plan.ephemeral_storage:
+        cache["sizeLimit"] = plan.ephemeral_storage
     volumes: list[dict[str, Any]] = [
         # PyTorch and NCCL use shared memory well beyond the container runtime's 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", "emptyDir": cache},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": CACHE_DIR},
     ]
+    if plan.pvc:
+        # Only HF_HOME is shared: compiled kernels stay per pod, in the emptyDir around it.
+        # `readOnly: false` is never written: the API server drops it, and apply would see drift.
+        claim: dict[str, Any] = {"claimName": plan.pvc}
+        mount: dict[str, Any] = {"name": "hf-cache", "mountPath": HF_HOME}
+        if plan.read_only:
+            claim["readOnly"] = mount["readOnly"] = True
+        volumes.append({"name": "hf-cache", "persistentVolumeClaim": claim})
+        mounts.append(mount)
     if source.pvc_claim:
         volumes.append(
             {
@@ -166,8 +207,10 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dic
 def pod_template(
     spec: InferenceServiceSpec, name: str, default_image: str = DEFAULT_IMAGE
 ) -> dict[str, Any]:
-    """The pod template: the runtime container, probes, volumes, scheduling and security."""
-    volumes, mounts = _volumes(spec)
+    """The pod template: the runtime container (after the model download for hf:// models),
+    probes, volumes, scheduling and security."""
+    plan = plan_model_cache(spec.model, parse_model_uri(spec.model.uri))
+    volumes, mounts = _volumes(spec, plan)
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(contract.RUNTIME_PORT),
@@ -177,26 +220,22 @@ def pod_template(
     # User labels first: they may add labels but never change the ones the selector relies on.
     labels = {**spec.pod_labels, **common_labels(name)}
     grace = PRESTOP_SLEEP_SECONDS + spec.runtime.drain_timeout_seconds + GRACE_MARGIN_SECONDS
+    image = spec.runtime.image or default_image
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec.runtime.image or default_image,
+        "image": image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["kvfleet"],
         "args": runtime_args(spec, name),
         "ports": [{"name": "http", "containerPort": contract.RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec),
-        "resources": _resources(spec),
+        "resources": _resources(spec, plan),
         "readinessProbe": _probe(period=5, failures=3),
         "livenessProbe": _probe(period=10, failures=3),
         "startupProbe": _probe(period=STARTUP_PROBE_PERIOD, failures=STARTUP_PROBE_FAILURES),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "volumeMounts": mounts,
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _container_security(),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -208,9 +247,29 @@ def pod_template(
             "runAsUser": 1000,
             "runAsGroup": 1000,
             "fsGroup": 1000,
+            # A shared model cache holds many large files: no recursive chown at every start.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if plan.download:
+        pod_spec["initContainers"] = [
+            {
+                "name": DOWNLOAD_CONTAINER_NAME,
+                "image": image,
+                "imagePullPolicy": spec.runtime.image_pull_policy,
+                "command": ["kvfleet"],
+                "args": download_args(spec),
+                "env": _download_env(spec),
+                # The memory of the runtime is plenty for a download; no GPU to hold idle.
+                "resources": _resources(spec, plan, gpus=False),
+                "volumeMounts": [m for m in mounts if m["name"] in ("tmp", "cache", "hf-cache")],
+                "securityContext": _container_security(),
+                # The download's own error (repo not found, token missing) becomes the
+                # container's termination message, which the status reports.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+            }
+        ]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -218,6 +277,23 @@ def pod_template(
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def progress_deadline_seconds(spec: InferenceServiceSpec) -> int:
+    """How long a rollout may go without progress: the startup window, a margin, and for a
+    model downloaded by the pods, the download at a pessimistic rate."""
+    plan = plan_model_cache(spec.model, parse_model_uri(spec.model.uri))
+    startup = STARTUP_PROBE_PERIOD * STARTUP_PROBE_FAILURES
+    return startup + PROGRESS_MARGIN_SECONDS + plan.download_seconds
 
 
 def initial_replicas(spec: InferenceServiceSpec) -> int:
@@ -252,7 +328,7 @@ def render_deployment(
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "revisionHistoryLimit": 5,
-            "progressDeadlineSeconds": STARTUP_PROBE_PERIOD * STARTUP_PROBE_FAILURES + 600,
+            "progressDeadlineSeconds": progress_deadline_seconds(spec),
             "template": pod_template(spec, name, default_image),
         },
     }

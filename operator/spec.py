@@ -34,12 +34,22 @@ class SecretKeyRef:
 
 
 @dataclass(slots=True, frozen=True)
+class ModelCacheSpec:
+    """`spec.model.cache`: a PersistentVolumeClaim that holds the Hugging Face cache."""
+
+    pvc: str
+    read_only: bool = False  # the claim is filled beforehand: no download step
+
+
+@dataclass(slots=True, frozen=True)
 class ModelSpec:
-    """Which model to serve and under which name."""
+    """Which model to serve, under which name, and (hf://) how its download is kept."""
 
     uri: str
     served_name: str = ""
     hf_token_secret_ref: SecretKeyRef | None = None
+    size_hint: str | None = None  # a byte quantity; None: model_cache.DEFAULT_SIZE_HINT
+    cache: ModelCacheSpec | None = None  # None: an emptyDir per pod
 
 
 @dataclass(slots=True, frozen=True)
@@ -219,6 +229,18 @@ def _secret_ref(
     return SecretKeyRef(name=name, key=_get(section, "key", str, default_key, f"{path}.{key}"))
 
 
+def _model_cache(raw: Mapping[str, Any], path: str) -> ModelCacheSpec | None:
+    if raw.get("cache") is None:
+        return None
+    section = _section(raw, "cache", path)
+    pvc = _get(section, "pvc", str, "", f"{path}.cache")
+    if not pvc:
+        raise SpecError(f"{path}.cache.pvc", "is required (the name of a PersistentVolumeClaim)")
+    return ModelCacheSpec(
+        pvc=pvc, read_only=_get(section, "readOnly", bool, False, f"{path}.cache")
+    )
+
+
 def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
     """Parse a raw `spec.autoscaling` dict (absent or null keys default); raises SpecError on a
     wrong type. The autoscaler then calls `check()` for the limits."""
@@ -256,10 +278,13 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
             f"{p}.model.uri",
             "is required (hf://org/name, pvc://claim/path, file:///path or bundled)",
         )
+    size_hint = model_raw.get("sizeHint")
     model = ModelSpec(
         uri=uri,
         served_name=_get(model_raw, "servedName", str, "", f"{p}.model"),
         hf_token_secret_ref=_secret_ref(model_raw, "hfTokenSecretRef", "token", f"{p}.model"),
+        size_hint=None if size_hint is None else _quantity(model_raw, "sizeHint", "", f"{p}.model"),
+        cache=_model_cache(model_raw, f"{p}.model"),
     )
 
     rt = _section(raw, "runtime", p)

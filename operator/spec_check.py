@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.operator.model_uri import ModelURIError, parse_model_uri
+from kvfleet.operator.quantity import parse_bytes
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
 DEFAULT_MAX_GPUS_PER_NODE = 8
@@ -41,13 +42,35 @@ def check_spec(
     except ModelURIError as exc:
         problems.append(SpecProblem("UnsupportedModelURI", f"spec.model.uri: {exc}"))
         source = None
-    if spec.model.hf_token_secret_ref is not None and source is not None and not source.from_hub:
-        problems.append(
-            SpecProblem(
-                "InvalidSpec",
-                "spec.model.hfTokenSecretRef is only used with hf:// model URIs; remove it or use hf://",
-            )
-        )
+    model = spec.model
+    if source is not None and not source.from_hub:
+        for field_name, value in (
+            ("hfTokenSecretRef", model.hf_token_secret_ref),
+            ("sizeHint", model.size_hint),
+            ("cache", model.cache),
+        ):
+            if value is not None:
+                problems.append(
+                    SpecProblem(
+                        "InvalidSpec",
+                        f"spec.model.{field_name} is only used with hf:// model URIs; "
+                        "remove it or use hf://",
+                    )
+                )
+    if model.size_hint is not None:
+        try:
+            size = parse_bytes(model.size_hint)
+        except ValueError as exc:
+            problems.append(SpecProblem("InvalidSpec", f"spec.model.sizeHint: {exc}"))
+        else:
+            if size <= 0:
+                problems.append(
+                    SpecProblem(
+                        "InvalidSpec",
+                        f"spec.model.sizeHint is {model.size_hint}; give the size of the model's "
+                        "files, e.g. 16Gi",
+                    )
+                )
     rt, res, auto = spec.runtime, spec.resources, spec.autoscaling
     if res.gpus > max_gpus_per_node:
         problems.append(

@@ -6,7 +6,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvfleet.operator import conditions as c
-from kvfleet.operator.render import GENERATION_ANNOTATION, selector_string, served_name, service_url
+from kvfleet.operator.render import (
+    DOWNLOAD_CONTAINER_NAME,
+    GENERATION_ANNOTATION,
+    selector_string,
+    served_name,
+    service_url,
+)
 from kvfleet.operator.spec import SpecError, parse_spec
 from kvfleet.operator.spec_check import SpecProblem
 
@@ -24,16 +30,39 @@ STUCK_REASONS = frozenset(
 )
 
 
+def _tail(log: str, lines: int = 3) -> str:
+    """The last lines of a log-backed termination message: where a program says what failed."""
+    kept = [line.strip() for line in log.strip().splitlines() if line.strip()]
+    return " / ".join(kept[-lines:])
+
+
 def _pod_problem(pods: Iterable[Mapping[str, Any]]) -> c.Condition | None:
     for pod in pods:
         pod_name = pod.get("metadata", {}).get("name", "?")
-        statuses = pod.get("status", {}).get("containerStatuses") or []
-        for cs in statuses:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            reason = waiting.get("reason", "")
-            if reason in STUCK_REASONS:
-                detail = waiting.get("message") or f"restarted {cs.get('restartCount', 0)} times"
-                message = f"pod {pod_name} container {cs.get('name', '?')}: {reason}: {detail}"
+        status = pod.get("status") or {}
+        for key, kind in (
+            ("initContainerStatuses", "init container"),
+            ("containerStatuses", "container"),
+        ):
+            for cs in status.get(key) or []:
+                waiting = (cs.get("state") or {}).get("waiting") or {}
+                reason = waiting.get("reason", "")
+                if reason not in STUCK_REASONS:
+                    continue
+                # The last exit's termination message holds the program's own error (the
+                # download container's policy is FallbackToLogsOnError).
+                last = (cs.get("lastState") or {}).get("terminated") or {}
+                detail = (
+                    _tail(last.get("message", ""))
+                    or waiting.get("message")
+                    or f"restarted {cs.get('restartCount', 0)} times"
+                )
+                if "exitCode" in last:
+                    detail = f"exit code {last['exitCode']}: {detail}"
+                name = cs.get("name", "?")
+                message = f"pod {pod_name} {kind} {name}: {reason}: {detail}"
+                if name == DOWNLOAD_CONTAINER_NAME and reason == "CrashLoopBackOff":
+                    reason = "ModelDownloadFailed"
                 return c.Condition(c.DEGRADED, c.TRUE, reason, message)
     return None
 

@@ -43,6 +43,8 @@ CORE = {
     ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"create", "list", "get"}),
+    # Read by the kubelet simulator for secretKeyRef env (the operator never reads Secrets).
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True, verbs={"create", "get", "list"}),
     "kvfleet.dev/v1alpha1/inferenceservices": kmock.ResourceInfo(
         kind="InferenceService", namespaced=True, subresources={"status", "scale"},
         shortnames={"infsvc"}, verbs={"get", "list", "watch", "create", "update", "patch", "delete"},

@@ -136,7 +136,12 @@ def test_hf_uri_with_revision_and_token():
     args = container(obj)["args"]
     assert flag(args, "--model") == "Qwen/Qwen2.5-0.5B"
     assert flag(args, "--revision") == "v1.2"
-    assert env_of(obj)["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    (init,) = pod_spec(obj)["initContainers"]
+    assert init["args"] == ["download", "--model", "Qwen/Qwen2.5-0.5B", "--revision", "v1.2"]
+    token = {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert {e["name"]: e for e in init["env"]}["HF_TOKEN"]["valueFrom"] == token
+    # The runtime loads from the cache offline: the token goes to the download only.
+    assert "HF_TOKEN" not in env_of(obj)
     assert not any("persistentVolumeClaim" in v for v in pod_spec(obj)["volumes"])
 
 

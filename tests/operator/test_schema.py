@@ -54,8 +54,9 @@ def cel_violations(obj: dict[str, Any]) -> list[str]:
         if auto.get("metricsSource") == "prometheus" and "prometheusURL" not in auto:
             found.append("prometheusURL is required when metricsSource is prometheus")
     model = spec.get("model", {})
-    if "hfTokenSecretRef" in model and not model.get("uri", "").startswith("hf://"):
-        found.append("hfTokenSecretRef is only used with hf:// model URIs")
+    for hf_only in ("hfTokenSecretRef", "sizeHint", "cache"):
+        if hf_only in model and not model.get("uri", "").startswith("hf://"):
+            found.append(f"{hf_only} is only used with hf:// model URIs")
     rt = spec.get("runtime")
     if rt is not None:
         if not rt.get("enableChunkedPrefill", True) and rt.get(
@@ -127,11 +128,19 @@ def test_full_sample_uses_every_spec_field():
         (lambda s: s.update(autoscaling={"metricsSource": "prometheus"}), "prometheusURL is required"),
         (lambda s: s["model"].update(hfTokenSecretRef={"name": "t"}), "only used with hf://"),
         (lambda s: s.pop("model"), "'model' is a required property"),
+        (lambda s: s["model"].update(sizeHint="8Gi"), "sizeHint is only used with hf://"),
+        (lambda s: s["model"].update(cache={"pvc": "c"}), "cache is only used with hf://"),
+        (lambda s: s["model"].update(uri="hf://o/m", sizeHint="big"), "does not match"),
+        (lambda s: s["model"].update(uri="hf://o/m", sizeHint="16gb"), "does not match"),
+        (lambda s: s["model"].update(uri="hf://o/m", cache={"readOnly": True}), "'pvc' is a required"),
+        (lambda s: s["model"].update(uri="hf://o/m", cache={"pvc": "Models_1"}), "does not match"),
+        (lambda s: s["model"].update(uri="hf://o/m", cache={"pvc": "c", "size": 1}), "Additional properties"),
     ],
     ids=[
         "negative-replicas", "unknown-scheme", "hf-without-org", "unknown-field", "block-size",
         "dtype", "kv-fraction", "quantity", "min-gt-max", "prometheus-url", "token-without-hf",
-        "no-model",
+        "no-model", "size-hint-without-hf", "cache-without-hf", "size-hint-word",
+        "size-hint-unit", "cache-without-pvc", "cache-pvc-name", "cache-unknown-field",
     ],
 )  # fmt: skip
 def test_invalid_specs_are_rejected(mutate, expect):
@@ -147,6 +156,8 @@ def test_cel_mirror_covers_every_rule_in_the_crd():
         "minReplicas must be <= maxReplicas",
         "prometheusURL is required when metricsSource is prometheus",
         "hfTokenSecretRef is only used with hf:// model URIs",
+        "sizeHint is only used with hf:// model URIs",
+        "cache is only used with hf:// model URIs",
         "with enableChunkedPrefill false, maxNumBatchedTokens must be >= maxModelLen",
         "maxNumBatchedTokens must be >= maxNumSeqs",
     }
@@ -188,6 +199,18 @@ def test_operator_defaults_equal_the_crd_defaults(section, cls):
     for key, value in schema_defaults(section).items():
         theirs = ours[key]
         assert (list(theirs) if isinstance(theirs, tuple) else theirs) == value, key
+
+
+def test_model_cache_defaults_equal_the_crd_defaults():
+    from kvfleet.operator.spec import ModelCacheSpec
+
+    cache = SCHEMA["properties"]["spec"]["properties"]["model"]["properties"]["cache"]
+    assert cache["properties"]["readOnly"]["default"] is ModelCacheSpec(pvc="c").read_only
+    assert "default" not in cache  # no cache field: an emptyDir, not a claim
+    # sizeHint has no schema default: a size on pvc://, file:// or bundled models would mean
+    # nothing (and the CEL rule rejects it there); the operator assumes one for hf://.
+    size_hint = SCHEMA["properties"]["spec"]["properties"]["model"]["properties"]["sizeHint"]
+    assert "default" not in size_hint
 
 
 def test_autoscaling_defaults_as_designed():

@@ -89,3 +89,50 @@ def test_autoscaling_problems_that_leave_the_service_servable_are_not_degraded()
     # A wrong type is a bad spec for everyone.
     _, problems = check_spec({"model": model, "autoscaling": {"maxReplicas": "4"}})
     assert "spec.autoscaling.maxReplicas: must be an integer" in problems[0].message
+
+
+def test_model_cache_fields_are_checked():
+    hf = "hf://org/name"
+    assert check_spec({"model": {"uri": hf, "sizeHint": "16Gi", "cache": {"pvc": "c"}}})[1] == []
+    for field, value in (("sizeHint", "8Gi"), ("cache", {"pvc": "c"})):
+        _, problems = check_spec({"model": {"uri": "pvc://store/m", field: value}})
+        assert f"spec.model.{field} is only used with hf://" in problems[0].message
+    _, problems = check_spec({"model": {"uri": hf, "sizeHint": "lots"}})
+    assert "spec.model.sizeHint" in problems[0].message and "16Gi" in problems[0].message
+    _, problems = check_spec({"model": {"uri": hf, "sizeHint": "0"}})
+    assert "spec.model.sizeHint is 0" in problems[0].message
+    _, problems = check_spec({"model": {"uri": hf, "cache": {"readOnly": True}}})
+    assert "spec.model.cache.pvc: is required" in problems[0].message
+
+
+def pod_with_init(state: dict, last: dict | None = None) -> dict:
+    init = {"name": "model-download", "state": state, "restartCount": 2}
+    if last:
+        init["lastState"] = {"terminated": last}
+    return {"metadata": {"name": "chat-1"}, "status": {"initContainerStatuses": [init]}}
+
+
+def test_failed_model_download_is_degraded_with_the_downloads_own_error():
+    running = deployment(replicas=2, updatedReplicas=2, availableReplicas=0, readyReplicas=0)
+    log = "Fetching 4 files\nerror: org/name is gated: set spec.model.hfTokenSecretRef\n"
+    failed = pod_with_init(
+        {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
+        {"exitCode": 1, "reason": "Error", "message": log},
+    )
+    status = compute_status(ISVC, running, [failed])
+    degraded = find_condition(status["conditions"], "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ModelDownloadFailed")
+    assert degraded["message"] == (
+        "pod chat-1 init container model-download: CrashLoopBackOff: exit code 1: "
+        "Fetching 4 files / error: org/name is gated: set spec.model.hfTokenSecretRef"
+    )
+    # Still downloading is not a problem, and a missing Secret keeps the kubelet's reason.
+    busy = pod_with_init({"running": {"startedAt": "T"}})
+    degraded = find_condition(compute_status(ISVC, running, [busy])["conditions"], "Degraded")
+    assert degraded["status"] == "False"
+    config = pod_with_init(
+        {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}
+    )
+    degraded = find_condition(compute_status(ISVC, running, [config])["conditions"], "Degraded")
+    assert degraded["reason"] == "CreateContainerConfigError"
+    assert degraded["message"].endswith('secret "hf" not found')
