@@ -17,15 +17,29 @@ import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.apply import apply_child
-from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, SERVICES, KubeApi, KubeApiError
+from kvfleet.operator.kube_api import (
+    DEPLOYMENTS,
+    ISVCS,
+    PDBS,
+    PODS,
+    SERVICES,
+    KubeApi,
+    KubeApiError,
+)
 from kvfleet.operator.render import (
     MANAGED_BY,
     render_deployment,
+    render_pdb,
     render_service,
     selector_string,
 )
 from kvfleet.operator.spec import DEFAULT_IMAGE
-from kvfleet.operator.spec_check import DEFAULT_MAX_GPUS_PER_NODE, SpecProblem, check_spec
+from kvfleet.operator.spec_check import (
+    DEFAULT_MAX_GPUS_PER_NODE,
+    SpecProblem,
+    check_name,
+    check_spec,
+)
 from kvfleet.operator.status import compute_status
 
 from kvfleet import contract
@@ -74,6 +88,7 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     spec, problems = check_spec(isvc.get("spec") or {}, max_gpus_per_node=config.max_gpus_per_node)
+    problems += check_name(name)
     if problems or spec is None:
         return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=problems)
     try:
@@ -84,6 +99,11 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
             keep_live_replicas=spec.autoscaling.enabled,
         )
         apply_child(api, SERVICES, render_service(isvc))
+        pdb = render_pdb(isvc)
+        if pdb is not None:
+            apply_child(api, PDBS, pdb)
+        elif api.get(PDBS, namespace, name) is not None:
+            api.delete(PDBS, namespace, name)  # replicas went down to one
         pods = api.list(PODS, namespace, selector_string(name))
     except KubeApiError as exc:
         metrics.RECONCILE_ERRORS.labels(reason=f"HTTP{exc.status}").inc()

@@ -19,6 +19,7 @@ from kvfleet import contract
 DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICES = ("", "v1", "services")
 PODS = ("", "v1", "pods")
+PDBS = ("policy", "v1", "poddisruptionbudgets")
 ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 
 # What a preconditioned patch came to: written; nothing to write (or the object is gone); or
@@ -130,6 +131,16 @@ class KubeApi:
     ) -> dict[str, Any]:
         """POST a new object."""
         return self.request("POST", self.path(resource, namespace), dict(body)) or {}
+
+    def delete(self, resource: tuple[str, str, str], namespace: str, name: str) -> bool:
+        """DELETE the object; False when it was already gone."""
+        try:
+            self.request("DELETE", self.path(resource, namespace, name))
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def replace(
         self, resource: tuple[str, str, str], namespace: str, body: Mapping[str, Any]

@@ -147,9 +147,10 @@ def _resources(
 ) -> dict[str, Any]:
     requests: dict[str, str] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     limits: dict[str, str] = {"memory": spec.resources.memory}
-    if plan.ephemeral_storage:
-        # Requested, not limited: the emptyDir's sizeLimit bounds the cache itself.
-        requests["ephemeral-storage"] = plan.ephemeral_storage
+    # Requested, not limited: an hf:// cache's emptyDir sizeLimit bounds the cache itself.
+    storage = spec.resources.ephemeral_storage or plan.ephemeral_storage
+    if storage:
+        requests["ephemeral-storage"] = storage
     if gpus and spec.resources.gpus > 0:
         # Extended resources must have requests == limits.
         requests[GPU_RESOURCE] = str(spec.resources.gpus)
@@ -173,9 +174,12 @@ def _volumes(
     cache: dict[str, Any] = {}
     if plan.ephemeral_storage:
         cache["sizeLimit"] = plan.ephemeral_storage
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.resources.shm_size:
+        shm["sizeLimit"] = spec.resources.shm_size
     volumes: list[dict[str, Any]] = [
         # PyTorch and NCCL use shared memory well beyond the container runtime's 64 MiB default.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": shm},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": cache},
     ]
@@ -201,6 +205,9 @@ def _volumes(
             }
         )
         mounts.append({"name": "model", "mountPath": source.mount_path, "readOnly": True})
+    # The user's extra volumes come last; the CRD keeps their names and paths off ours.
+    volumes += [dict(v) for v in spec.volumes]
+    mounts += [dict(m) for m in spec.volume_mounts]
     return volumes, mounts
 
 
@@ -270,13 +277,25 @@ def pod_template(
                 "terminationMessagePolicy": "FallbackToLogsOnError",
             }
         ]
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
-    if spec.affinity:
-        pod_spec["affinity"] = dict(spec.affinity)
+    _scheduling_and_identity(spec, pod_spec)
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def _scheduling_and_identity(spec: InferenceServiceSpec, pod_spec: dict[str, Any]) -> None:
+    """The pod-spec fields copied from the InferenceService as written."""
+    # The runtime never calls the Kubernetes API: no token in the pod unless asked for.
+    pod_spec["automountServiceAccountToken"] = spec.automount_service_account_token
+    optional: dict[str, Any] = {
+        "nodeSelector": dict(spec.node_selector),
+        "tolerations": [dict(t) for t in spec.tolerations],
+        "affinity": dict(spec.affinity),
+        "imagePullSecrets": [{"name": n} for n in spec.image_pull_secrets],
+        "serviceAccountName": spec.service_account_name,
+        "priorityClassName": spec.priority_class_name,
+        "runtimeClassName": spec.runtime_class_name,
+        "topologySpreadConstraints": [dict(c) for c in spec.topology_spread_constraints],
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v})
 
 
 def _container_security() -> dict[str, Any]:
@@ -331,6 +350,29 @@ def render_deployment(
             "progressDeadlineSeconds": progress_deadline_seconds(spec),
             "template": pod_template(spec, name, default_image),
         },
+    }
+
+
+def render_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A PodDisruptionBudget that lets node drains evict one replica at a time, for an
+    InferenceService that runs more than one; None for one replica (a budget then could only
+    block drains or protect nothing)."""
+    spec = parse_spec(isvc.get("spec") or {})
+    most = spec.autoscaling.max_replicas if spec.autoscaling.enabled else spec.replicas
+    if most <= 1:
+        return None
+    meta = isvc["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": common_labels(name),
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
     }
 
 

@@ -78,6 +78,8 @@ class ResourcesSpec:
     gpus: int = 1
     cpu: str = "4"
     memory: str = "16Gi"
+    ephemeral_storage: str | None = None  # None: derived for hf:// caches, else no request
+    shm_size: str | None = None  # None: /dev/shm bounded by the memory limit alone
 
 
 @dataclass(slots=True, frozen=True)
@@ -173,6 +175,15 @@ class InferenceServiceSpec:
     affinity: Mapping[str, Any] = field(default_factory=dict)
     env: tuple[Mapping[str, Any], ...] = ()
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    # Pod-spec fields copied as written (the API server validates them on the Deployment).
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str | None = None
+    automount_service_account_token: bool = False
+    priority_class_name: str | None = None
+    runtime_class_name: str | None = None
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
     pod_labels: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -214,6 +225,10 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def _quantity(raw: Mapping[str, Any], key: str, default: str, path: str) -> str:
     value = _get(raw, key, (str, int, float), default, path)
     return str(value)
+
+
+def _optional_quantity(raw: Mapping[str, Any], key: str, path: str) -> str | None:
+    return None if raw.get(key) is None else _quantity(raw, key, "", path)
 
 
 def _secret_ref(
@@ -278,12 +293,11 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
             f"{p}.model.uri",
             "is required (hf://org/name, pvc://claim/path, file:///path or bundled)",
         )
-    size_hint = model_raw.get("sizeHint")
     model = ModelSpec(
         uri=uri,
         served_name=_get(model_raw, "servedName", str, "", f"{p}.model"),
         hf_token_secret_ref=_secret_ref(model_raw, "hfTokenSecretRef", "token", f"{p}.model"),
-        size_hint=None if size_hint is None else _quantity(model_raw, "sizeHint", "", f"{p}.model"),
+        size_hint=_optional_quantity(model_raw, "sizeHint", f"{p}.model"),
         cache=_model_cache(model_raw, f"{p}.model"),
     )
 
@@ -317,14 +331,20 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
         gpus=_get(res, "gpus", int, rd.gpus, f"{p}.resources"),
         cpu=_quantity(res, "cpu", rd.cpu, f"{p}.resources"),
         memory=_quantity(res, "memory", rd.memory, f"{p}.resources"),
+        ephemeral_storage=_optional_quantity(res, "ephemeralStorage", f"{p}.resources"),
+        shm_size=_optional_quantity(res, "shmSize", f"{p}.resources"),
     )
 
     autoscaling = parse_autoscaling(_section(raw, "autoscaling", p))
-    tolerations = _get(raw, "tolerations", list, [], p)
-    env = _get(raw, "env", list, [], p)
-    for name, items in (("tolerations", tolerations), ("env", env)):
+    lists = {}
+    for name in ("tolerations", "env", "topologySpreadConstraints", "volumes", "volumeMounts"):
+        items = _get(raw, name, list, [], p)
         if not all(isinstance(i, Mapping) for i in items):
             raise SpecError(f"{p}.{name}", "must be a list of objects")
+        lists[name] = tuple(dict(i) for i in items)
+    pull_secrets = _get(raw, "imagePullSecrets", list, [], p)
+    if not all(isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in pull_secrets):
+        raise SpecError(f"{p}.imagePullSecrets", "must be a list of {name: <Secret>} objects")
     return InferenceServiceSpec(
         model=model,
         runtime=runtime,
@@ -333,9 +353,17 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
         autoscaling=autoscaling,
         api_key_secret_ref=_secret_ref(raw, "apiKeySecretRef", "api-key", p),
         node_selector=dict(_section(raw, "nodeSelector", p)),
-        tolerations=tuple(tolerations),
+        tolerations=lists["tolerations"],
         affinity=dict(_section(raw, "affinity", p)),
-        env=tuple(env),
+        env=lists["env"],
         pod_annotations=dict(_section(raw, "podAnnotations", p)),
         pod_labels=dict(_section(raw, "podLabels", p)),
+        image_pull_secrets=tuple(i["name"] for i in pull_secrets),
+        service_account_name=_get(raw, "serviceAccountName", str, None, p),
+        automount_service_account_token=_get(raw, "automountServiceAccountToken", bool, False, p),
+        priority_class_name=_get(raw, "priorityClassName", str, None, p),
+        runtime_class_name=_get(raw, "runtimeClassName", str, None, p),
+        topology_spread_constraints=lists["topologySpreadConstraints"],
+        volumes=lists["volumes"],
+        volume_mounts=lists["volumeMounts"],
     )

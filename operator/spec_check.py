@@ -7,6 +7,7 @@ the schema's own rules again for servers where the CRD was not installed with va
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,11 @@ from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 DEFAULT_MAX_GPUS_PER_NODE = 8
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 BLOCK_SIZES = (8, 16, 32)
+# The object's name also names its Service, which must be a DNS-1035 label.
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# The pod's own volumes and mount paths (render.py): a user volume must not shadow them.
+RESERVED_VOLUMES = frozenset({"dshm", "tmp", "cache", "hf-cache", "model"})
+RESERVED_MOUNT_PATHS = ("/dev/shm", "/tmp", "/var/cache/kvfleet")
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,6 +149,7 @@ def check_spec(
                 f"maxReplicas ({auto.max_replicas})",
             )
         )
+    problems += _volume_problems(spec)
     if auto.enabled and auto.metrics_source == "prometheus" and not auto.prometheus_url:
         problems.append(
             SpecProblem(
@@ -151,3 +158,53 @@ def check_spec(
             )
         )
     return spec, problems
+
+
+def check_name(name: str) -> list[SpecProblem]:
+    """An InferenceService name that cannot name its Service (the CRD refuses it at admission;
+    this reports it where the CRD's rules did not run)."""
+    if DNS_1035_LABEL.match(name) and len(name) <= 63:
+        return []
+    return [
+        SpecProblem(
+            "InvalidName",
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
+            f"starting with a letter, at most 63 characters) because it also names the Service; "
+            f"recreate it as e.g. {_suggest_name(name)!r}",
+        )
+    ]
+
+
+def _suggest_name(name: str) -> str:
+    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not label or not label[0].isalpha():
+        label = f"m-{label}"
+    return label[:63].rstrip("-")
+
+
+def _volume_problems(spec: InferenceServiceSpec) -> list[SpecProblem]:
+    problems = []
+    names = {v.get("name") for v in spec.volumes}
+    for name in sorted(n for n in names if n in RESERVED_VOLUMES):
+        problems.append(
+            SpecProblem(
+                "InvalidSpec", f"spec.volumes: {name!r} is one of the operator's own volumes"
+            )
+        )
+    for m in spec.volume_mounts:
+        path = str(m.get("mountPath", ""))
+        if m.get("name") not in names:
+            problems.append(
+                SpecProblem(
+                    "InvalidSpec",
+                    f"spec.volumeMounts: {m.get('name')!r} names no volume in spec.volumes",
+                )
+            )
+        if path in RESERVED_MOUNT_PATHS or path.startswith("/models/"):
+            problems.append(
+                SpecProblem(
+                    "InvalidSpec",
+                    f"spec.volumeMounts: {path!r} is one of the operator's mount paths",
+                )
+            )
+    return problems

@@ -37,6 +37,10 @@ CORE = {
         kind="Pod", namespaced=True, subresources={"status"},
         verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
     ),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(
+        kind="PodDisruptionBudget", namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+    ),
     # kopf's backbone: it waits for these to be discoverable before it starts watching.
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"},

@@ -174,3 +174,26 @@ async def test_delete_removes_the_children(operator):
 
     await asyncio.sleep(0.3)  # and the operator does not recreate them
     assert k8s.get(DEPLOYMENT, NS, "chat") is None
+
+
+PDB = "policy/v1/poddisruptionbudgets"
+
+
+async def test_a_disruption_budget_follows_the_replica_count(operator):
+    k8s = operator.emulator
+    k8s.create_object(ISVC, isvc_with("chat", replicas=2))
+    pdb = await eventually(lambda: k8s.get(PDB, NS, "chat"))
+    assert pdb["spec"]["maxUnavailable"] == 1
+    k8s.mutate(ISVC, NS, "chat", lambda o: o["spec"].update(replicas=1))
+    # One replica: a budget could only block a node drain, so it goes.
+    await eventually(lambda: k8s.get(PDB, NS, "chat") is None)
+
+
+async def test_a_name_that_cannot_name_the_service_is_degraded(operator):
+    k8s = operator.emulator
+    k8s.create_object(ISVC, isvc_with("3b-chat"))
+    degraded = await eventually(
+        lambda: (c := condition(k8s, "3b-chat", "Degraded")) and c["status"] == "True" and c
+    )
+    assert degraded["reason"] == "InvalidName" and "'m-3b-chat'" in degraded["message"]
+    assert k8s.get(DEPLOYMENT, NS, "3b-chat") is None and k8s.get(SERVICE, NS, "3b-chat") is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
+import re
 import subprocess
 from typing import Any
 
@@ -43,6 +44,13 @@ def closed(schema: Any) -> Any:
 VALIDATOR = jsonschema.Draft7Validator(closed(SCHEMA))
 
 
+NAME_RULE = (
+    "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
+    "letter, at most 63 characters): it also names the Service, e.g. llama-3-1-8b rather than "
+    "llama-3.1-8b"
+)
+
+
 def cel_violations(obj: dict[str, Any]) -> list[str]:
     """The CRD's x-kubernetes-validations rules, mirrored in Python (jsonschema cannot run CEL)."""
     spec = obj.get("spec", {})
@@ -67,6 +75,20 @@ def cel_violations(obj: dict[str, Any]) -> list[str]:
             )
         if rt.get("maxNumBatchedTokens", 2048) < rt.get("maxNumSeqs", 64):
             found.append("maxNumBatchedTokens must be >= maxNumSeqs")
+    volumes = {v.get("name") for v in spec.get("volumes", [])}
+    if volumes & {"dshm", "tmp", "cache", "hf-cache", "model"}:
+        found.append("volume names dshm, tmp, cache, hf-cache and model are the operator's own")
+    for m in spec.get("volumeMounts", []):
+        if m.get("name") not in volumes:
+            found.append("every volumeMounts entry must name a volume in spec.volumes")
+        path = m.get("mountPath", "")
+        if path in ("/dev/shm", "/tmp", "/var/cache/kvfleet") or path.startswith("/models/"):
+            found.append(
+                "/dev/shm, /tmp, /var/cache/kvfleet and /models/ are the operator's own mount paths"
+            )
+    name = obj.get("metadata", {}).get("name", "")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 63:
+        found.append(NAME_RULE)
     return found
 
 
@@ -160,6 +182,10 @@ def test_cel_mirror_covers_every_rule_in_the_crd():
         "cache is only used with hf:// model URIs",
         "with enableChunkedPrefill false, maxNumBatchedTokens must be >= maxModelLen",
         "maxNumBatchedTokens must be >= maxNumSeqs",
+        "volume names dshm, tmp, cache, hf-cache and model are the operator's own",
+        "every volumeMounts entry must name a volume in spec.volumes",
+        "/dev/shm, /tmp, /var/cache/kvfleet and /models/ are the operator's own mount paths",
+        NAME_RULE,
     }
     assert rules_in_crd() == mirrored
 
