@@ -13,6 +13,9 @@ METRICS_PATH = "/metrics"
 VERSION_PATH = "/version"
 MODELS_PATH = "/v1/models"
 API_KEY_ENV = "KVFLEET_API_KEY"
+# The size of the volume the Hugging Face cache lives on when it is smaller than the disk it
+# reports (an emptyDir's sizeLimit): `kvfleet download` refuses a model that cannot fit it.
+CACHE_LIMIT_ENV = "KVFLEET_CACHE_LIMIT_BYTES"
 
 # --- runtime metrics (prometheus-client names, without the _total suffix it adds) -------------
 MODEL_NAME_LABEL = "model_name"

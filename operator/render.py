@@ -11,6 +11,7 @@ from typing import Any
 
 from kvfleet.operator.model_cache import ModelCachePlan, plan_model_cache
 from kvfleet.operator.model_uri import parse_model_uri
+from kvfleet.operator.quantity import parse_bytes
 from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, SecretKeyRef, parse_spec
 
 from kvfleet import contract
@@ -132,8 +133,12 @@ def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _download_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _download_env(spec: InferenceServiceSpec, plan: ModelCachePlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": HF_HOME}]
+    if plan.ephemeral_storage and not plan.pvc:
+        # The emptyDir reports the node's free disk; its sizeLimit is what really bounds it.
+        limit = str(parse_bytes(plan.ephemeral_storage))
+        env.append({"name": contract.CACHE_LIMIT_ENV, "value": limit})
     if spec.model.hf_token_secret_ref is not None:
         env.append(_secret_env("HF_TOKEN", spec.model.hf_token_secret_ref))
     # The user's variables (HF_ENDPOINT, proxies, HF_HUB_ENABLE_HF_TRANSFER...) reach the
@@ -267,7 +272,7 @@ def pod_template(
                 "imagePullPolicy": spec.runtime.image_pull_policy,
                 "command": ["kvfleet"],
                 "args": download_args(spec),
-                "env": _download_env(spec),
+                "env": _download_env(spec, plan),
                 # The memory of the runtime is plenty for a download; no GPU to hold idle.
                 "resources": _resources(spec, plan, gpus=False),
                 "volumeMounts": [m for m in mounts if m["name"] in ("tmp", "cache", "hf-cache")],

@@ -29,6 +29,8 @@ from typing import Any
 
 from kvfleet.runtime.models.errors import ModelLoadError
 
+from kvfleet import contract
+
 log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -247,8 +249,12 @@ def _check_room(repo_id: str, files: dict[str, int]) -> None:
     have = _bytes_in(repo_dir)
     needed = max(sum(files.values()) - have, 0)
     free = shutil.disk_usage(cache).free
+    limit = os.environ.get(contract.CACHE_LIMIT_ENV)
+    if limit:  # a volume smaller than the disk it reports (a pod's emptyDir)
+        used = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+        free = min(free, int(limit) - used)
     if needed > free:
-        raise ModelLoadError(_no_room(repo_id, needed, free))
+        raise ModelLoadError(_no_room(repo_id, needed, max(free, 0)))
 
 
 def _no_room(repo_id: str, needed: int, free: int | None = None) -> str:

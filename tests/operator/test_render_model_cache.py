@@ -14,6 +14,8 @@ from kvfleet.operator.render import (
     render_deployment,
 )
 
+from kvfleet import contract
+
 K8S_VERSION = "1.33.0"
 HF_ENDPOINT = {"name": "HF_ENDPOINT", "value": "http://hub.internal"}
 
@@ -82,6 +84,8 @@ def test_default_cache_is_an_emptydir_sized_for_20gi_of_weights():
     assert init["resources"]["requests"]["ephemeral-storage"] == "23Gi"
     assert main["resources"]["requests"]["ephemeral-storage"] == "23Gi"
     assert "ephemeral-storage" not in main["resources"]["limits"]  # sizeLimit bounds it
+    # The emptyDir reports the node's disk: the download is told the real limit (23Gi).
+    assert env(init)[contract.CACHE_LIMIT_ENV]["value"] == str(23 * 1024**3)
 
 
 @pytest.mark.parametrize("hint,size", [
@@ -120,6 +124,7 @@ def test_cache_pvc_holds_the_hugging_face_cache_for_every_replica():
     assert volume(dep, "cache")["emptyDir"] == {}
     assert "ephemeral-storage" not in main["resources"]["requests"]
     assert "ephemeral-storage" not in init["resources"]["requests"]
+    assert contract.CACHE_LIMIT_ENV not in env(init)  # the claim's own size is what it is
     assert env(main)["HF_HUB_OFFLINE"]["value"] == "1"
 
 

@@ -219,6 +219,17 @@ def test_too_little_disk_is_refused_before_downloading(monkeypatch, tmp_path) ->
         hub_module._check_room("org/big", {"model.safetensors": 16 * 10**9})
 
 
+def test_a_cache_volume_smaller_than_its_disk_is_respected(monkeypatch, tmp_path) -> None:
+    # A pod's emptyDir reports the node's free disk; the operator passes its sizeLimit.
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("KVFLEET_CACHE_LIMIT_BYTES", str(2 * 10**9))
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "other-model.bin").write_bytes(b"\0" * 10**6)
+    with pytest.raises(ModelLoadError, match=r"needs 3\.00 GB .* 2\.00 GB free"):
+        hub_module._check_room("org/big", {"model.safetensors": 3 * 10**9})
+    hub_module._check_room("org/small", {"model.safetensors": 10**9})  # fits: no error
+
+
 def test_without_a_terminal_progress_goes_to_the_log(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setattr(hub_module, "PROGRESS_EVERY_S", 0.05)
