@@ -37,7 +37,6 @@ from kvfleet.operator.spec import DEFAULT_IMAGE
 from kvfleet.operator.spec_check import (
     DEFAULT_MAX_GPUS_PER_NODE,
     SpecProblem,
-    check_name,
     check_spec,
 )
 from kvfleet.operator.status import compute_status
@@ -88,7 +87,6 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     spec, problems = check_spec(isvc.get("spec") or {}, max_gpus_per_node=config.max_gpus_per_node)
-    problems += check_name(name)
     if problems or spec is None:
         return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=problems)
     try:

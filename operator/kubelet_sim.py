@@ -691,6 +691,14 @@ def pod_status(pod: SimPod) -> dict[str, Any]:
     }
     if inits:
         status["initContainerStatuses"] = inits
+    # A kubelet reports the image each container runs (the API server requires both fields).
+    spec = pod.template["spec"]
+    images = {
+        c["name"]: c.get("image", "")
+        for c in [*spec.get("initContainers", []), *spec["containers"]]
+    }
+    for container in [*inits, main]:
+        container.update(image=images.get(container["name"], ""), imageID="")
     return status
 
 

@@ -7,7 +7,6 @@ the schema's own rules again for servers where the CRD was not installed with va
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,6 @@ from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 DEFAULT_MAX_GPUS_PER_NODE = 8
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 BLOCK_SIZES = (8, 16, 32)
-# The object's name also names its Service, which must be a DNS-1035 label.
-DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # The pod's own volumes and mount paths (render.py): a user volume must not shadow them.
 RESERVED_VOLUMES = frozenset({"dshm", "tmp", "cache", "hf-cache", "model"})
 RESERVED_MOUNT_PATHS = ("/dev/shm", "/tmp", "/var/cache/kvfleet")
@@ -158,28 +155,6 @@ def check_spec(
             )
         )
     return spec, problems
-
-
-def check_name(name: str) -> list[SpecProblem]:
-    """An InferenceService name that cannot name its Service (the CRD refuses it at admission;
-    this reports it where the CRD's rules did not run)."""
-    if DNS_1035_LABEL.match(name) and len(name) <= 63:
-        return []
-    return [
-        SpecProblem(
-            "InvalidName",
-            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
-            f"starting with a letter, at most 63 characters) because it also names the Service; "
-            f"recreate it as e.g. {_suggest_name(name)!r}",
-        )
-    ]
-
-
-def _suggest_name(name: str) -> str:
-    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
-    if not label or not label[0].isalpha():
-        label = f"m-{label}"
-    return label[:63].rstrip("-")
 
 
 def _volume_problems(spec: InferenceServiceSpec) -> list[SpecProblem]:

@@ -20,7 +20,7 @@ Reuse (e.g. an autoscaler end-to-end test):
   overriding it: a fixture returning a callable `(registry, config) -> None`.
 - `eventually(predicate, timeout=...)` (a helper, not a fixture): polls until truthy.
 
-Every server and watch is bounded: watches end after emulator.WATCH_SECONDS, and the fixture
+Every server and watch is bounded: watches end after emulator_reads.WATCH_SECONDS, and the fixture
 closes them before stopping the server.
 """
 
@@ -40,6 +40,7 @@ import aiohttp.test_utils
 import kmock
 import pytest
 import yaml
+from builtin_schemas import chart_minimum_kubernetes, schema_version
 from emulator import RealisticEmulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -47,6 +48,15 @@ ISVC = "kvfleet.dev/v1alpha1/inferenceservices"
 DEPLOYMENT = "apps/v1/deployments"
 SERVICE = "v1/services"
 POD = "v1/pods"
+# Issue 21, defect 6: the chart claims Kubernetes >= 1.27, but the operator renders
+# lifecycle.preStop.sleep, which a server older than 1.30 refuses; the strict xfail
+# test_emulator_builtins.py::test_rendered_children_are_admitted_at_the_charts_minimum shows
+# it. Until the chart states its real minimum (or the render falls back to an exec sleep),
+# the harness emulates the oldest Kubernetes the operator works on. Delete this line with
+# that xfail marker: the emulator's default is the chart's minimum.
+KUBERNETES = schema_version(
+    max(chart_minimum_kubernetes(), "1.30", key=lambda v: tuple(map(int, v.split("."))))
+)
 
 
 def sample(name: str) -> dict[str, Any]:
@@ -87,7 +97,7 @@ class RunningOperator:
 
 @pytest.fixture
 async def kube(tmp_path, monkeypatch) -> AsyncIterator[Kube]:
-    emulator = RealisticEmulator()
+    emulator = RealisticEmulator(kubernetes_version=KUBERNETES)
     emulator.declare_core()
     # Short keep-alive: kopf waits (up to 5 s) at exit for every task started after it,
     # idle server connections included.

@@ -101,7 +101,13 @@ def operator_registration(fake_pods, polls):
 def add_pod(k8s, isvc_name: str, name: str, ip: str, ready: bool = True) -> None:
     """A pod as the kubelet would report it: the Deployment's labels, an IP, a Ready condition."""
     labels = {**selector_labels(isvc_name), "app.kubernetes.io/managed-by": "kvfleet-operator"}
-    k8s.create_object(POD, {"metadata": {"name": name, "namespace": NS, "labels": labels}})
+    k8s.create_object(
+        POD,
+        {
+            "metadata": {"name": name, "namespace": NS, "labels": labels},
+            "spec": {"containers": [{"name": "runtime", "image": "kvfleet"}]},
+        },
+    )
     ready_status = "True" if ready else "False"
     k8s.mutate(
         POD,
@@ -237,7 +243,8 @@ async def test_replicas_above_max_come_back_at_once(operator, fake_pods):
 
 async def test_a_spec_the_autoscaler_cannot_use_is_reported_and_not_acted_on(operator, polls):
     k8s = operator.emulator
-    k8s.create_object(ISVC, autoscaled(pollIntervalSeconds=0))
+    # The CRD refuses this (minimum 1); an object stored before that rule existed still has it.
+    k8s.create_object(ISVC, autoscaled(pollIntervalSeconds=0), validate=False)
     await eventually(lambda: replicas(k8s) == 1)  # the reconciler still serves it
     cond = await eventually(
         lambda: (r := ready_condition(k8s)) and r["reason"] == "InvalidSpec" and r, timeout=5

@@ -110,7 +110,7 @@ async def test_crash_looping_pod_shows_degraded(operator):
     }  # fmt: skip
     k8s.create_object(POD, pod)
     k8s.mutate(POD, NS, "chat-abc", lambda p: p.update(status={"containerStatuses": [
-        {"name": "runtime", "restartCount": 5,
+        {"name": "runtime", "restartCount": 5, "ready": False, "image": "x", "imageID": "",
          "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}}]}))  # fmt: skip
     degraded = await eventually(
         lambda: (c := condition(k8s, "chat", "Degraded")) and c["status"] == "True" and c
@@ -120,7 +120,9 @@ async def test_crash_looping_pod_shows_degraded(operator):
 
 async def test_bad_spec_is_degraded_without_children_or_crash(operator):
     k8s = operator.emulator
-    k8s.create_object(ISVC, isvc_with("bad", model={"uri": "s3://bucket/model"}))
+    # The CRD's pattern refuses s3://; an object stored before that rule existed still has it.
+    bad = isvc_with("bad", model={"uri": "s3://bucket/model"})
+    k8s.create_object(ISVC, bad, validate=False)
     degraded = await eventually(
         lambda: (c := condition(k8s, "bad", "Degraded")) and c["status"] == "True" and c
     )
@@ -187,13 +189,3 @@ async def test_a_disruption_budget_follows_the_replica_count(operator):
     k8s.mutate(ISVC, NS, "chat", lambda o: o["spec"].update(replicas=1))
     # One replica: a budget could only block a node drain, so it goes.
     await eventually(lambda: k8s.get(PDB, NS, "chat") is None)
-
-
-async def test_a_name_that_cannot_name_the_service_is_degraded(operator):
-    k8s = operator.emulator
-    k8s.create_object(ISVC, isvc_with("3b-chat"))
-    degraded = await eventually(
-        lambda: (c := condition(k8s, "3b-chat", "Degraded")) and c["status"] == "True" and c
-    )
-    assert degraded["reason"] == "InvalidName" and "'m-3b-chat'" in degraded["message"]
-    assert k8s.get(DEPLOYMENT, NS, "3b-chat") is None and k8s.get(SERVICE, NS, "3b-chat") is None

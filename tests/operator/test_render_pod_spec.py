@@ -1,6 +1,7 @@
 """The pod-spec fields a platform team sets (pull secrets, service account, priority, runtime
 class, spread constraints, extra volumes, ephemeral storage, /dev/shm size), the budget that
-keeps node drains from taking every replica at once, and names that cannot name a Service."""
+keeps node drains from taking every replica at once. (Names that cannot name a Service are
+refused by the CRD's rule: tests/operator/test_emulator_custom_resources.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes_validate import validate
 from kvfleet.operator.render import render_deployment, render_pdb
-from kvfleet.operator.spec_check import check_name, check_spec
+from kvfleet.operator.spec_check import check_spec
 
 BASE: dict[str, Any] = {
     "apiVersion": "kvfleet.dev/v1alpha1",
@@ -115,21 +116,6 @@ def test_a_disruption_budget_exists_when_more_than_one_replica_can_run(spec, wan
         }
         assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         validate(pdb, K8S_VERSION, strict=True)
-
-
-@pytest.mark.parametrize(
-    ("name", "suggestion"),
-    [("llama-3.1-8b", "llama-3-1-8b"), ("3b-chat", "m-3b-chat"), ("Chat_Bot", "chat-bot")],
-)
-def test_a_name_that_cannot_name_a_service_is_a_problem_with_a_suggestion(name, suggestion):
-    (problem,) = check_name(name)
-    assert problem.reason == "InvalidName"
-    assert "DNS-1035" in problem.message and repr(suggestion) in problem.message
-
-
-@pytest.mark.parametrize("name", ["chat", "llama-3-1-8b", "a" * 63])
-def test_dns_1035_names_are_fine(name):
-    assert check_name(name) == []
 
 
 @pytest.mark.parametrize(
