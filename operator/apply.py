@@ -1,8 +1,12 @@
-"""Idempotent apply of rendered children: create when missing, rewrite only when drifted.
+"""Children are applied with server-side apply, as field manager `kvfleet-operator`.
 
-Drift means a field the operator renders has a different value live (or a list differs);
-fields the server or other controllers add are left alone. A child that matches is not
-written, so watching children and re-applying on every event cannot loop.
+The API server keeps, per manager, the set of fields it applied (`metadata.managedFields`): a
+field the operator applied before and no longer renders is removed (a nodeSelector dropped from
+the spec leaves the Deployment), fields other managers own (the autoscaler's replicas, a
+kubectl annotation) are left alone, and a re-apply of the same object changes nothing — no new
+resourceVersion, so no watch event and no loop. The server also compares what it stores
+(canonical quantities: `cpu: "0.5"` is stored as `500m`), which a client-side comparison got
+wrong and rewrote on every event.
 """
 
 from __future__ import annotations
@@ -11,35 +15,11 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator.kube_api import KubeApi, KubeApiError
+from kvfleet.operator.kube_api import KubeApi
 
-ATTEMPTS = 3  # a 409 means someone wrote in between: re-read and try again
-
-
-def contains(desired: Any, live: Any) -> bool:
-    """True when every field of `desired` has the same value in `live` (lists: same length)."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(
-            k in live and contains(v, live[k]) for k, v in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(live, list)
-            and len(desired) == len(live)
-            and all(contains(d, v) for d, v in zip(desired, live, strict=True))
-        )
-    return desired == live
-
-
-def overlay(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """`live` with every field of `desired` written over it (dicts merged, lists replaced)."""
-    out = copy.deepcopy(dict(live))
-    for key, value in desired.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = overlay(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+OPERATOR_MANAGER = "kvfleet-operator"
+# The autoscaler's scale writes: it owns spec.replicas while autoscaling is on.
+AUTOSCALER_MANAGER = "kvfleet-autoscaler"
 
 
 def apply_child(
@@ -47,34 +27,49 @@ def apply_child(
     resource: tuple[str, str, str],
     desired: Mapping[str, Any],
     *,
-    keep_live_replicas: bool = False,
-) -> tuple[dict[str, Any], str]:
-    """Make the live child match `desired`; returns (live object, "created"|"updated"|"unchanged").
+    replicas_by_autoscaler: bool = False,
+) -> dict[str, Any]:
+    """Make the child what `desired` says; returns the object as stored.
 
-    With `keep_live_replicas`, an existing object's spec.replicas is left as it is (the autoscaler
-    owns it); a new object starts from the rendered value.
-    """
-    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-    for attempt in range(ATTEMPTS):
-        live = api.get(resource, namespace, name)
-        if live is None:
-            try:
-                return api.create(resource, namespace, desired), "created"
-            except KubeApiError as exc:
-                if exc.status == 409 and attempt < ATTEMPTS - 1:
-                    continue  # created concurrently: compare against it on the next pass
-                raise
-        target = copy.deepcopy(dict(desired))
-        if keep_live_replicas and "replicas" in (live.get("spec") or {}):
-            target["spec"]["replicas"] = live["spec"]["replicas"]
-        if contains(target, live):
-            return live, "unchanged"
-        body = overlay({k: v for k, v in live.items() if k != "status"}, target)
-        body["metadata"]["resourceVersion"] = live["metadata"].get("resourceVersion")
-        try:
-            return api.replace(resource, namespace, body), "updated"
-        except KubeApiError as exc:
-            if exc.status == 409 and attempt < ATTEMPTS - 1:
-                continue
-            raise
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    With `replicas_by_autoscaler`, spec.replicas belongs to the autoscaler: the operator sets
+    it only on a new object, hands it to the autoscaler's field manager, and leaves it out of
+    its own applies from then on."""
+    body = copy.deepcopy(dict(desired))
+    if replicas_by_autoscaler:
+        _hand_replicas_to_the_autoscaler(api, resource, body)
+        del body["spec"]["replicas"]
+    return api.apply(resource, body["metadata"]["namespace"], body, OPERATOR_MANAGER)
+
+
+def _hand_replicas_to_the_autoscaler(
+    api: KubeApi, resource: tuple[str, str, str], body: Mapping[str, Any]
+) -> None:
+    # Were the operator the only owner of spec.replicas, leaving it out of the next apply would
+    # remove it (the Deployment would fall back to one replica). So the autoscaler's manager
+    # first applies the current count too, and owns it from then on.
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    live = api.get(resource, namespace, name)
+    if live is not None and owns(live, AUTOSCALER_MANAGER, ("spec", "replicas")):
+        return
+    if live is None:  # a new child starts at the rendered count (the autoscaler's floor)
+        live = api.apply(resource, namespace, body, OPERATOR_MANAGER)
+    replicas = {
+        "apiVersion": body["apiVersion"],
+        "kind": body["kind"],
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"replicas": (live.get("spec") or {}).get("replicas", body["spec"]["replicas"])},
+    }
+    api.apply(resource, namespace, replicas, AUTOSCALER_MANAGER)
+
+
+def owns(obj: Mapping[str, Any], manager: str, path: tuple[str, ...]) -> bool:
+    """Whether `manager` (in any operation) owns the field at `path` of `obj`."""
+    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") != manager:
+            continue
+        node: Any = entry.get("fieldsV1") or {}
+        for key in path:
+            node = node.get(f"f:{key}") if isinstance(node, Mapping) else None
+        if node is not None:
+            return True
+    return False

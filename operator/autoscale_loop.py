@@ -34,6 +34,7 @@ import aiohttp
 import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
+from kvfleet.operator.apply import AUTOSCALER_MANAGER
 from kvfleet.operator.autoscaler import Decision, History, PodSample, decide_replicas
 from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
@@ -205,7 +206,10 @@ def scale_deployment(api: KubeApi, namespace: str, name: str, expected: int, des
             return None
         return {"spec": {"replicas": desired}}
 
-    return api.patch_preconditioned(DEPLOYMENTS, namespace, name, compute) == "written"
+    outcome = api.patch_preconditioned(
+        DEPLOYMENTS, namespace, name, compute, field_manager=AUTOSCALER_MANAGER
+    )
+    return outcome == "written"
 
 
 def write_status(

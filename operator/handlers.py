@@ -90,11 +90,11 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
     if problems or spec is None:
         return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=problems)
     try:
-        deployment, _ = apply_child(
+        deployment = apply_child(
             api,
             DEPLOYMENTS,
             render_deployment(isvc, config.default_runtime_image),
-            keep_live_replicas=spec.autoscaling.enabled,
+            replicas_by_autoscaler=spec.autoscaling.enabled,
         )
         apply_child(api, SERVICES, render_service(isvc))
         pdb = render_pdb(isvc)

@@ -20,6 +20,7 @@ DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICES = ("", "v1", "services")
 PODS = ("", "v1", "pods")
 PDBS = ("policy", "v1", "poddisruptionbudgets")
+APPLY_PATCH = "application/apply-patch+yaml"
 ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 
 # What a preconditioned patch came to: written; nothing to write (or the object is gone); or
@@ -88,6 +89,8 @@ class KubeApi:
         query: Mapping[str, str] | None = None,
     ) -> dict[str, Any] | None:
         """Send one request; returns the decoded JSON, None on 404, raises KubeApiError otherwise."""
+        if content_type == APPLY_PATCH and body is not None:
+            body = json.dumps(body)  # JSON is YAML; the client only serialises *json bodies
         params = self.api_client.param_serialize(
             method=method,
             resource_path=path,
@@ -132,6 +135,28 @@ class KubeApi:
         """POST a new object."""
         return self.request("POST", self.path(resource, namespace), dict(body)) or {}
 
+    def apply(
+        self,
+        resource: tuple[str, str, str],
+        namespace: str,
+        body: Mapping[str, Any],
+        field_manager: str,
+    ) -> dict[str, Any]:
+        """Server-side apply `body` as `field_manager`, forcing conflicts: the object becomes
+        what this manager applies, and fields it applied before and no longer does go."""
+        name = body["metadata"]["name"]
+        query = {"fieldManager": field_manager, "force": "true"}
+        return (
+            self.request(
+                "PATCH",
+                self.path(resource, namespace, name),
+                dict(body),
+                content_type=APPLY_PATCH,
+                query=query,
+            )
+            or {}
+        )
+
     def delete(self, resource: tuple[str, str, str], namespace: str, name: str) -> bool:
         """DELETE the object; False when it was already gone."""
         try:
@@ -173,6 +198,7 @@ class KubeApi:
         sub: str = "",
         current: dict[str, Any] | None = None,
         attempts: int = 3,
+        field_manager: str | None = None,
     ) -> PatchOutcome:
         """Merge-patch `compute(object)` (None: nothing to write) onto the object as read, or
         as given in `current`, preconditioned on its resourceVersion: a write computed from a
@@ -197,6 +223,7 @@ class KubeApi:
                     self.path(resource, namespace, name, sub),
                     {**patch, "metadata": meta},
                     content_type="application/merge-patch+json",
+                    query={"fieldManager": field_manager} if field_manager else None,
                 )
                 return "written"
             except KubeApiError as exc:
