@@ -14,6 +14,13 @@ VERSION_PATH = "/version"
 MODELS_PATH = "/v1/models"
 API_KEY_ENV = "KVFLEET_API_KEY"
 
+# --- the user every kvfleet container runs as ----------------------------------------------------
+# Both images create it (uid and gid); the operator's pods (chart, manifests/) and the runtime
+# pods it renders run as it, so files the image owns (the model cache) are writable and kopf
+# finds a passwd entry. YAML and Dockerfiles cannot import this: tests/deploy/test_one_uid.py
+# reads every copy and checks it equals this one.
+KVFLEET_UID = 10001
+
 # --- runtime metrics (prometheus-client names, without the _total suffix it adds) -------------
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"

@@ -34,3 +34,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "kvfleet.leaderElection" -}}
 {{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
 {{- end -}}
+
+{{/* The uid and gid the operator runs as: the user docker/operator.Dockerfile creates. It is
+kvfleet.contract.KVFLEET_UID; tests/deploy/test_one_uid.py keeps every copy equal. */}}
+{{- define "kvfleet.uid" -}}10001{{- end -}}
