@@ -68,6 +68,16 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout}s (last value: {value!r})")
 
 
+LEASE = "coordination.k8s.io/v1/leases"
+# Leader election's Lease (operator/leader_election.py): get, create and update are what the
+# operator's Role allows; list, watch and delete are for tests and kubectl.
+LEASE_INFO = kmock.ResourceInfo(
+    kind="Lease",
+    namespaced=True,
+    verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+)
+
+
 @dataclass(slots=True)
 class Kube:
     """The running emulator and its URL."""
@@ -92,6 +102,7 @@ async def kube(tmp_path, monkeypatch) -> AsyncIterator[Kube]:
     # Short keep-alive: kopf waits (up to 5 s) at exit for every task started after it,
     # idle server connections included.
     server_cls = functools.partial(aiohttp.test_utils.RawTestServer, keepalive_timeout=0.2)
+    emulator.resources[LEASE] = LEASE_INFO
     async with emulator, kmock.Server(emulator, server_cls=server_cls) as server:
         url = str(server.url).rstrip("/")
         kubeconfig = tmp_path / "kubeconfig"
