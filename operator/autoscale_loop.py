@@ -34,7 +34,13 @@ import aiohttp
 import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
-from kvfleet.operator.autoscaler import Decision, History, PodSample, decide_replicas
+from kvfleet.operator.autoscaler import (
+    STALE_AFTER_POLLS,
+    Decision,
+    History,
+    PodSample,
+    decide_replicas,
+)
 from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
     MetricsUnavailable,
@@ -90,6 +96,7 @@ class AutoscalerState:
     """What one InferenceService's daemon remembers between polls."""
 
     history: History = ()
+    missing_polls: Mapping[str, int] = field(default_factory=dict)  # pod -> polls in a row
     last_scale_time: str | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -127,12 +134,20 @@ def readiness(
         shown = "; ".join(f"{s.pod}: {s.error}" for s in failed[:MAX_ERRORS_SHOWN])
         extra = len(failed) - MAX_ERRORS_SHOWN
         more = f" (and {extra} more)" if extra > 0 else ""
+        ignored = set(decision.pods_ignored) if decision else set()
+        if all(s.pod in ignored for s in failed):
+            consequence = (
+                f"unreadable for more than {STALE_AFTER_POLLS} polls, so no longer holding "
+                "replicas up"
+            )
+        else:
+            consequence = "so replicas will not go down"
         return c.Condition(
             AUTOSCALER_READY,
             c.FALSE,
             "MetricsUnavailable",
-            f"metrics of {len(failed)} of {len(samples)} pods could not be read, so replicas "
-            f"will not go down: {shown}{more}",
+            f"metrics of {len(failed)} of {len(samples)} pods could not be read, {consequence}: "
+            f"{shown}{more}",
         )
     if not any(s.reporting for s in samples):
         return c.Condition(
@@ -302,8 +317,10 @@ async def poll_once(
         # bounds), never scale down.
         samples = [PodSample(t.name, t.ready, scraped=False, error=error) for t in targets]
 
-    decision = decide_replicas(samples, current, spec, state.history, time.monotonic())
-    state.history = decision.history
+    decision = decide_replicas(
+        samples, current, spec, state.history, time.monotonic(), state.missing_polls
+    )
+    state.history, state.missing_polls = decision.history, decision.missing_polls
     metrics.DESIRED_REPLICAS.labels(namespace=namespace, name=name).set(decision.desired)
 
     scaled = False
