@@ -25,8 +25,11 @@ RUN pip install \
  && pip install --no-deps . \
  && rm -rf /src
 
-RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvfleet
-USER 10001
+# 10001 is kvfleet.contract.KVFLEET_UID, the uid and gid every kvfleet pod runs as (the chart,
+# manifests/ and the runtime pods agree: tests/deploy/test_one_uid.py).
+RUN groupadd --gid 10001 kvfleet \
+ && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvfleet
+USER 10001:10001
 WORKDIR /tmp
 # 8080: Prometheus metrics. Liveness is served on 8081 when the chart passes --liveness.
 EXPOSE 8080

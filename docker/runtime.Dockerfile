@@ -42,13 +42,15 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
  && rm -rf /src /tmp/keep-torch.txt
 
 # Model weights and compiled kernels are cached here; mount a volume (the operator does) so a
-# restarted pod does not download or compile again.
-RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin kvfleet \
+# restarted pod does not download or compile again. 10001 is kvfleet.contract.KVFLEET_UID, the
+# uid and gid the operator renders into runtime pods (tests/deploy/test_one_uid.py).
+RUN groupadd --gid 10001 kvfleet \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin kvfleet \
  && mkdir -p /var/cache/kvfleet/huggingface /var/cache/kvfleet/triton \
  && chown -R 10001:10001 /var/cache/kvfleet
 VOLUME ["/var/cache/kvfleet"]
 
-USER 10001
+USER 10001:10001
 WORKDIR /home/kvfleet
 EXPOSE 8000
 # No HEALTHCHECK: Kubernetes probes GET /health on port 8000 instead.

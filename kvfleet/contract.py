@@ -17,6 +17,13 @@ API_KEY_ENV = "KVFLEET_API_KEY"
 # reports (an emptyDir's sizeLimit): `kvfleet download` refuses a model that cannot fit it.
 CACHE_LIMIT_ENV = "KVFLEET_CACHE_LIMIT_BYTES"
 
+# --- the user every kvfleet container runs as ----------------------------------------------------
+# Both images create it (uid and gid); the operator's pods (chart, manifests/) and the runtime
+# pods it renders run as it, so files the image owns (the model cache) are writable and kopf
+# finds a passwd entry. YAML and Dockerfiles cannot import this: tests/deploy/test_one_uid.py
+# reads every copy and checks it equals this one.
+KVFLEET_UID = 10001
+
 # --- runtime metrics (prometheus-client names, without the _total suffix it adds) -------------
 MODEL_NAME_LABEL = "model_name"
 FINISHED_REASON_LABEL = "finished_reason"

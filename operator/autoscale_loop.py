@@ -1,7 +1,12 @@
 """The autoscaler's loop: per InferenceService with autoscaling on, read load, decide, scale.
 
 One kopf daemon per InferenceService whose `spec.autoscaling.enabled` is true (kopf starts it
-when the filter matches and stops it when it no longer does, or when the object is deleted).
+when the filter matches and stops it when it no longer does). Unlike kopf's default, the daemon
+puts no finalizer on the InferenceService: it ends itself on the InferenceService's DELETED
+event (or at the next poll, should that event be missed), so deleting one never waits for the
+operator (an uninstalled operator would otherwise leave every autoscaled InferenceService stuck
+in Terminating).
+
 A daemon rather than a `@kopf.timer`: a timer's interval is fixed at registration, while
 `pollIntervalSeconds` is per object and may change; the daemon rereads the live spec each poll
 and sleeps until the next one is due (a timer with a small base tick that skips polls would do
@@ -23,6 +28,7 @@ Settings in `OperatorConfig.extra` (for tests and the demo; a cluster needs neit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -35,7 +41,13 @@ import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.apply import AUTOSCALER_MANAGER
-from kvfleet.operator.autoscaler import Decision, History, PodSample, decide_replicas
+from kvfleet.operator.autoscaler import (
+    STALE_AFTER_POLLS,
+    Decision,
+    History,
+    PodSample,
+    decide_replicas,
+)
 from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
     MetricsUnavailable,
@@ -55,6 +67,7 @@ SCALED_UP, SCALED_DOWN = "ScaledUp", "ScaledDown"
 RUNTIME_PORT_SETTING = "runtime_port"
 OBSERVERS_SETTING = "autoscaler_observers"
 MAX_ERRORS_SHOWN = 3
+DAEMON_ID = "autoscaler"
 
 
 def scrape_timeout(poll_interval: float) -> float:
@@ -91,6 +104,7 @@ class AutoscalerState:
     """What one InferenceService's daemon remembers between polls."""
 
     history: History = ()
+    missing_polls: Mapping[str, int] = field(default_factory=dict)  # pod -> polls in a row
     last_scale_time: str | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -128,12 +142,20 @@ def readiness(
         shown = "; ".join(f"{s.pod}: {s.error}" for s in failed[:MAX_ERRORS_SHOWN])
         extra = len(failed) - MAX_ERRORS_SHOWN
         more = f" (and {extra} more)" if extra > 0 else ""
+        ignored = set(decision.pods_ignored) if decision else set()
+        if all(s.pod in ignored for s in failed):
+            consequence = (
+                f"unreadable for more than {STALE_AFTER_POLLS} polls, so no longer holding "
+                "replicas up"
+            )
+        else:
+            consequence = "so replicas will not go down"
         return c.Condition(
             AUTOSCALER_READY,
             c.FALSE,
             "MetricsUnavailable",
-            f"metrics of {len(failed)} of {len(samples)} pods could not be read, so replicas "
-            f"will not go down: {shown}{more}",
+            f"metrics of {len(failed)} of {len(samples)} pods could not be read, {consequence}: "
+            f"{shown}{more}",
         )
     if not any(s.reporting for s in samples):
         return c.Condition(
@@ -306,8 +328,10 @@ async def poll_once(
         # bounds), never scale down.
         samples = [PodSample(t.name, t.ready, scraped=False, error=error) for t in targets]
 
-    decision = decide_replicas(samples, current, spec, state.history, time.monotonic())
-    state.history = decision.history
+    decision = decide_replicas(
+        samples, current, spec, state.history, time.monotonic(), state.missing_polls
+    )
+    state.history, state.missing_polls = decision.history, decision.missing_polls
     metrics.DESIRED_REPLICAS.labels(namespace=namespace, name=name).set(decision.desired)
 
     scaled = False
@@ -369,46 +393,104 @@ def _poll_interval(spec: Mapping[str, Any]) -> float:
 def register(registry: kopf.OperatorRegistry, config: Any) -> None:
     """Add the autoscaler daemon to the operator's registry (handlers.build_registry calls
     this). `config` is handlers.OperatorConfig; see the module docstring for its settings."""
+    # With no finalizer, kopf forgets an object at its DELETED event without stopping its
+    # daemon; that event ends the daemon here instead (by the object's uid).
+    deleted: dict[str, asyncio.Event] = {}
+
+    @kopf.on.event(*ISVCS, registry=registry)
+    async def isvc_deleted(type: str, body: kopf.Body, **_: Any) -> None:
+        if type == "DELETED" and (event := deleted.get(body.metadata.get("uid", ""))):
+            event.set()
 
     @kopf.daemon(
         *ISVCS,
-        id="autoscaler",
+        id=DAEMON_ID,
         registry=registry,
         when=autoscaling_enabled,
         cancellation_timeout=10,
         backoff=5,
     )
     async def autoscaler(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-        api: KubeApi = config.client()
-        port = int(config.extra.get(RUNTIME_PORT_SETTING, contract.RUNTIME_PORT))
-        observers: Sequence[Callable[[PollReport], None]] = config.extra.get(OBSERVERS_SETTING, ())
-        state = AutoscalerState()
-        async with aiohttp.ClientSession() as session:
-            while not stopped:
-                started = time.monotonic()
-                # kopf keeps `body` current as watch events arrive: each poll sees the live spec.
-                isvc = {
-                    "metadata": dict(body.metadata),
-                    "spec": dict(body.spec),
-                    "status": dict(body.status),
-                }
-                try:
-                    report = await poll_once(api, isvc, state, session, port)
-                except KubeApiError as exc:
-                    if not exc.retryable:
-                        raise
-                    log.warning(
-                        "%s/%s: Kubernetes API: %s; retrying next poll",
-                        body.metadata.get("namespace"),
-                        body.metadata.get("name"),
-                        exc,
-                    )
-                    report = None
-                if report is not None:
-                    for observe in observers:
-                        try:
-                            observe(report)
-                        except Exception:  # a watcher's bug must not stop the scaling
-                            log.exception("autoscaler observer %r failed", observe)
-                interval = _poll_interval(body.spec)
-                await stopped.wait(max(0.0, interval - (time.monotonic() - started)))
+        uid = body.metadata.get("uid", "")
+        gone = deleted.setdefault(uid, asyncio.Event())
+        try:
+            await poll_until_stopped(config, body, stopped, gone)
+        finally:
+            deleted.pop(uid, None)
+
+    _drop_finalizer(registry, DAEMON_ID)
+
+
+async def poll_until_stopped(
+    config: Any, body: kopf.Body, stopped: kopf.DaemonStopped, gone: asyncio.Event
+) -> None:
+    """The daemon's loop: poll every pollIntervalSeconds until kopf stops the daemon or the
+    InferenceService is deleted (`gone` set by its DELETED event or, should that be missed,
+    seen by the check before each poll). Returning then is final: kopf does not restart a
+    daemon that returned."""
+    api: KubeApi = config.client()
+    port = int(config.extra.get(RUNTIME_PORT_SETTING, contract.RUNTIME_PORT))
+    observers: Sequence[Callable[[PollReport], None]] = config.extra.get(OBSERVERS_SETTING, ())
+    state = AutoscalerState()
+    namespace, name = body.metadata["namespace"], body.metadata["name"]
+    async with aiohttp.ClientSession() as session:
+        while not stopped:
+            started = time.monotonic()
+            if gone.is_set() or await asyncio.to_thread(_gone, api, body):
+                metrics.forget(namespace, name)
+                return
+            # kopf keeps `body` current as watch events arrive: each poll sees the live spec.
+            isvc = {
+                "metadata": dict(body.metadata),
+                "spec": dict(body.spec),
+                "status": dict(body.status),
+            }
+            try:
+                report = await poll_once(api, isvc, state, session, port)
+            except KubeApiError as exc:
+                if not exc.retryable:
+                    raise
+                log.warning("%s/%s: Kubernetes API: %s; retrying next poll", namespace, name, exc)
+                report = None
+            if report is not None:
+                for observe in observers:
+                    try:
+                        observe(report)
+                    except Exception:  # a watcher's bug must not stop the scaling
+                        log.exception("autoscaler observer %r failed", observe)
+            interval = _poll_interval(body.spec)
+            await _pause(stopped, gone, max(0.0, interval - (time.monotonic() - started)))
+
+
+async def _pause(stopped: kopf.DaemonStopped, gone: asyncio.Event, seconds: float) -> None:
+    """Sleep until the next poll is due, the daemon is stopped or its object deleted."""
+    waits = [asyncio.ensure_future(stopped.wait()), asyncio.ensure_future(gone.wait())]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def _gone(api: KubeApi, body: Mapping[str, Any]) -> bool:
+    """Whether this daemon's InferenceService was deleted (or deleted and created again)."""
+    meta = body["metadata"]
+    try:
+        live = api.get(ISVCS, meta["namespace"], meta["name"])
+    except KubeApiError:
+        return False  # cannot tell: poll as usual, which reports the API problem
+    if live is None:
+        return True
+    live_meta = live.get("metadata") or {}
+    return live_meta.get("uid") != meta.get("uid") or bool(live_meta.get("deletionTimestamp"))
+
+
+def _drop_finalizer(registry: kopf.OperatorRegistry, handler_id: str) -> None:
+    # kopf marks every daemon as needing a finalizer (so it can stop the daemon before the object
+    # goes) and offers no option against it (kopf 1.45); the autoscaler stops itself instead
+    # (see `register`). tests/operator/test_finalizers.py fails if kopf adds it anyway.
+    spawning = registry._spawning
+    spawning._handlers = [
+        dataclasses.replace(h, requires_finalizer=False) if h.id == handler_id else h
+        for h in spawning._handlers
+    ]

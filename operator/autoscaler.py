@@ -21,10 +21,14 @@ Rules, in the order they apply:
 4. Down: only to the highest recommendation of the last scaleDownStabilizationSeconds, and
    never while any pod is not ready or did not answer: a pod we cannot read is not an idle pod.
    A scale-up still happens on the pods that answered (their queue is a lower bound of the load).
+   Bounded: a pod without data for more than STALE_AFTER_POLLS consecutive polls (stuck
+   starting, unschedulable, /metrics broken) stops holding scale-downs back; otherwise one such
+   pod would pin the replica count forever. It still shows in the reason and AutoscalerReady.
 5. One decision per poll, so at most one change per poll.
 
 History is an immutable tuple of `Recommendation`s; the Decision carries the updated history,
-trimmed to the longer window, for the caller to keep until the next poll. An empty history
+trimmed to the longer window, and how many polls in a row each pod has been missing, for the
+caller to keep until the next poll. An empty history
 means the autoscaler just (re)started: it is seeded with the current replica count, so a
 restarted operator never scales down before it has watched a full scale-down window.
 """
@@ -32,8 +36,8 @@ restarted operator never scales down before it has watched a full scale-down win
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvfleet.operator.spec import AutoscalingSpec
@@ -43,6 +47,12 @@ TOLERANCE = 0.1
 # Replica arithmetic happens on floats (e.g. 3 × 0.7 / 0.7); without this, 2.0000000000000004
 # would ceil to 3.
 _FLOAT_SLACK = 1e-9
+# A pod missing data for more polls in a row than this no longer blocks a scale-down (rule 4):
+# 75 s at the default 15 s poll — longer than a restart or a slow scrape, shorter than a stuck
+# pod is worth paying a GPU for.
+STALE_AFTER_POLLS = 5
+# Stands for the pods the Deployment wants that are not listed yet (they have no name).
+NOT_CREATED = "(pods not created yet)"
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +98,11 @@ class Decision:
     total_running: float
     mean_kv_usage: float | None  # None when no pod answered
     pods_reporting: int
-    pods_missing: int
+    pods_missing: int  # not ready, not answering, or not created yet
+    # Missing for more than STALE_AFTER_POLLS polls, so not holding a scale-down back.
+    pods_ignored: tuple[str, ...] = ()
+    # Polls in a row each missing pod has been missing, for the next call.
+    missing_polls: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def direction(self) -> Literal["up", "down", "none"]:
@@ -106,19 +120,27 @@ def decide_replicas(
     spec: AutoscalingSpec,
     history: History,
     now: float,
+    missing_polls: Mapping[str, int] | None = None,
 ) -> Decision:
     """Decide the replica count for one poll; see the module docstring for the rules.
 
     `samples`: one per pod of the Deployment (ready or not); `current`: the Deployment's
     replicas now; `history`: the previous Decision's history (empty on the first poll);
-    `now`: seconds on any monotonic clock the caller keeps using.
+    `now`: seconds on any monotonic clock the caller keeps using; `missing_polls`: the previous
+    Decision's `missing_polls` (empty on the first poll).
     """
     if current < 0:
         raise ValueError(f"current replicas must be >= 0, got {current}")
+    before = missing_polls or {}
     reporting = [s for s in samples if s.reporting]
     # Pods the Deployment wants but that are not even listed yet count as missing too: a
     # scale-up in progress must not look like idle capacity.
-    missing = max(len(samples), current) - len(reporting)
+    not_created = max(0, current - len(samples))
+    missing = len(samples) - len(reporting) + not_created
+    absent = [s.pod for s in samples if not s.reporting] + ([NOT_CREATED] if not_created else [])
+    streaks = {name: before.get(name, 0) + 1 for name in absent}
+    ignored = tuple(sorted(name for name, n in streaks.items() if n > STALE_AFTER_POLLS))
+    blocking = missing - len(ignored) - (not_created - 1 if NOT_CREATED in ignored else 0)
     total_waiting = sum(s.waiting for s in reporting)
     total_running = sum(s.running for s in reporting)
     mean_kv = sum(s.kv_usage for s in reporting) / len(reporting) if reporting else None
@@ -128,7 +150,7 @@ def decide_replicas(
     recommendation = _clamp(proposed, spec)
     # While data is missing we cannot justify fewer replicas than now; recording the lower
     # number would let it end a later scale-down window early.
-    recorded = _clamp(max(recommendation, current), spec) if missing else recommendation
+    recorded = _clamp(max(recommendation, current), spec) if blocking else recommendation
 
     if not history:
         history = (Recommendation(now, current),)
@@ -145,7 +167,14 @@ def decide_replicas(
     new_history = (*kept, Recommendation(now, recorded))
 
     desired, reason = _choose(
-        current, recommendation, up_floor, down_ceiling, signals, missing, len(samples), spec
+        current,
+        recommendation,
+        up_floor,
+        down_ceiling,
+        signals,
+        _Missing(missing, blocking, ignored),
+        len(samples),
+        spec,
     )
     return Decision(
         desired=desired,
@@ -158,7 +187,16 @@ def decide_replicas(
         mean_kv_usage=mean_kv,
         pods_reporting=len(reporting),
         pods_missing=missing,
+        pods_ignored=ignored,
+        missing_polls=streaks,
     )
+
+
+@dataclass(slots=True, frozen=True)
+class _Missing:
+    count: int  # pods without data this poll
+    blocking: int  # of which still hold a scale-down back
+    ignored: tuple[str, ...]  # the others: missing for more than STALE_AFTER_POLLS polls
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,7 +264,7 @@ def _choose(
     up_floor: int,
     down_ceiling: int,
     signals: list[_Signal],
-    missing: int,
+    absent: _Missing,
     pods: int,
     spec: AutoscalingSpec,
 ) -> tuple[int, str]:
@@ -242,7 +280,13 @@ def _choose(
         )
     if not signals:
         return current, f"metrics missing from all {max(pods, current)} pods: holding at {current}"
+    missing = absent.count
     missing_note = f"metrics missing from {missing} of {max(pods, current)} pods" if missing else ""
+    if absent.ignored:
+        missing_note += (
+            f" ({', '.join(absent.ignored)}: missing for more than {STALE_AFTER_POLLS} polls, "
+            "ignored)"
+        )
 
     if recommendation > current:
         drivers = "; ".join(s.text for s in signals if s.proposal > current)
@@ -265,8 +309,10 @@ def _choose(
 
     if recommendation < current:
         load = "; ".join(s.text for s in signals)
-        if missing:
+        if absent.blocking:
             return current, f"{missing_note}: not scaling down ({load})"
+        if missing_note:
+            load = f"{load} ({missing_note})"
         if down_ceiling >= current:
             return current, (
                 f"{load}; scale-down held: highest recommendation in last "

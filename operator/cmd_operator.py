@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvfleet.operator.leader_election import LeaseTiming
 from kvfleet.operator.spec import DEFAULT_IMAGE
 
 from kvfleet import contract
@@ -17,8 +18,12 @@ keep their status conditions (Ready, Progressing, Degraded) current, and put bac
 that are edited or deleted by hand.
 
 Credentials come from the pod's service account in a cluster, else from KUBECONFIG.
-Several replicas elect one active replica through kopf peering unless --standalone is given
-(install manifests/peering.yaml for that)."""
+Replicas elect one active replica through a coordination.k8s.io Lease (as controller-runtime
+does): only the holder runs the handlers and the autoscaler, the others wait to take over.
+--standalone skips the election (one replica run by hand, or local runs)."""
+
+# A pod's namespace when the Downward API does not say it (POD_NAMESPACE).
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,13 +65,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--standalone",
         action="store_true",
-        help="do not take part in peering (leader election); for a single replica or local runs",
+        help="act without leader election; only where a single operator runs (local runs)",
     )
     p.add_argument(
-        "--peering",
+        "--lease-name",
         metavar="NAME",
-        default="kvfleet",
-        help="name of the (Cluster)KopfPeering object replicas elect a leader through (default kvfleet)",
+        default="kvfleet-operator",
+        help="name of the Lease replicas elect the active one through (default kvfleet-operator)",
+    )
+    p.add_argument(
+        "--lease-namespace",
+        metavar="NS",
+        default=None,
+        help="namespace of that Lease (default: env POD_NAMESPACE, else the pod's own "
+        "namespace, else 'default')",
+    )
+    defaults = LeaseTiming()
+    p.add_argument(
+        "--lease-duration",
+        type=int,
+        default=defaults.lease_duration,
+        metavar="S",
+        help="seconds a standby waits on a Lease nobody renews before taking it "
+        f"(default {defaults.lease_duration})",
+    )
+    p.add_argument(
+        "--renew-deadline",
+        type=float,
+        default=defaults.renew_deadline,
+        metavar="S",
+        help="seconds the active replica keeps acting without a successful renewal; then it "
+        f"exits (default {defaults.renew_deadline:g}; must be < --lease-duration)",
+    )
+    p.add_argument(
+        "--retry-period",
+        type=float,
+        default=defaults.retry_period,
+        metavar="S",
+        help=f"seconds between tries to take or renew the Lease (default {defaults.retry_period:g})",
     )
     p.add_argument(
         "--max-gpus-per-node",
@@ -93,21 +129,61 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def lease_namespace(args: argparse.Namespace) -> str:
+    """Where the Lease lives: the flag, else the operator's own namespace."""
+    if args.lease_namespace:
+        return args.lease_namespace
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def own_identity() -> str:
+    """Unique per process, like controller-runtime's hostname_uuid: a restarted container in
+    the same pod is a new candidate, not the old holder. Also kopf's identity, which spares
+    kopf's getpass.getuser() (it fails for a uid without a passwd entry)."""
+    import socket
+    import uuid
+
+    return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4()}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the operator until interrupted."""
     import asyncio
     import logging
 
-    import kopf
-    from kvfleet.operator import metrics
-    from kvfleet.operator.handlers import OperatorConfig, build_registry
-
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    timing = LeaseTiming(args.lease_duration, args.renew_deadline, args.retry_period)
+    try:
+        timing.check()
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet operator: {exc}") from None
+    asyncio.run(_serve(args, timing))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, timing: LeaseTiming) -> None:
+    import logging
+
+    import kopf
+    from kvfleet.operator import metrics
+    from kvfleet.operator.handlers import OperatorConfig, build_registry
+    from kvfleet.operator.kube_api import KubeApi
+    from kvfleet.operator.leader_election import LeaderElector, run_while_leader
+    from kvfleet.operator.liveness import serve_liveness
+
     if args.metrics_port:
         metrics.serve(args.metrics_port)
+    liveness = await serve_liveness(args.liveness) if args.liveness else None
+    identity = own_identity()
     registry = build_registry(
         OperatorConfig(
             max_gpus_per_node=args.max_gpus_per_node,
@@ -115,14 +191,33 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     clusterwide = args.all_namespaces or not args.namespace
-    asyncio.run(
-        kopf.operator(
+
+    async def operate() -> None:
+        # kopf never peers: the Lease decides who runs, and only the holder runs kopf at all.
+        await kopf.operator(
             registry=registry,
             clusterwide=clusterwide,
             namespaces=() if clusterwide else tuple(args.namespace),
-            standalone=args.standalone,
-            peering_name=args.peering,
-            liveness_endpoint=args.liveness,
+            standalone=True,
+            identity=identity,  # kopf.Identity is a NewType of str
         )
-    )
-    return 0
+
+    def lost() -> None:
+        # Exit before anything else can run, as controller-runtime does: a replica that may no
+        # longer hold the lease must not write one more object. The restarted container waits
+        # as a standby.
+        logging.getLogger("kvfleet.leader").critical("lost the lease: exiting")
+        logging.shutdown()
+        os._exit(1)
+
+    try:
+        if args.standalone:
+            await operate()
+        else:
+            elector = LeaderElector(
+                KubeApi.from_environment(), lease_namespace(args), args.lease_name, identity, timing
+            )
+            await run_while_leader(elector, operate, lost)
+    finally:
+        if liveness is not None:
+            await liveness.cleanup()

@@ -232,9 +232,12 @@ def build_registry(
             write_status(config, isvc, status)
             _fail_if_unservable(status)
 
-    @kopf.on.delete(*ISVCS, registry=registry, optional=True)
-    def forget_isvc(body: kopf.Body, **_: Any) -> None:
-        metrics.forget(body.metadata["namespace"], body.metadata["name"])
+    # An event handler, not @kopf.on.delete: no handler here needs a finalizer, and without one
+    # kopf calls deletion handlers only for objects that some other finalizer holds.
+    @kopf.on.event(*ISVCS, registry=registry)
+    def forget_isvc(type: str, body: kopf.Body, **_: Any) -> None:
+        if type == "DELETED":
+            metrics.forget(body.metadata["namespace"], body.metadata["name"])
 
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)
     def deployment_changed(body: kopf.Body, **_: Any) -> None:

@@ -256,9 +256,10 @@ def pod_template(
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
+            # The image's own user: its files (the cache directory) belong to it.
+            "runAsUser": contract.KVFLEET_UID,
+            "runAsGroup": contract.KVFLEET_UID,
+            "fsGroup": contract.KVFLEET_UID,
             # A shared model cache holds many large files: no recursive chown at every start.
             "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},

@@ -56,6 +56,17 @@ if progressing ~= nil and progressing.status == "True" then
   return hs
 end
 
+-- spec.replicas 0 is a state the user asked for, not a rollout that never ends: Suspended, as
+-- Argo CD shows a suspended CronJob or a paused Rollout, once the operator has seen that spec.
+if ready ~= nil and ready.status == "False" and ready.reason == "ScaledToZero" then
+  local seen = observed(status, ready)
+  if seen ~= nil and (generation == nil or seen == generation) then
+    hs.status = "Suspended"
+    hs.message = "Scaled to zero replicas (" .. (ready.message or "spec.replicas is 0") .. ")"
+    return hs
+  end
+end
+
 if ready ~= nil and ready.status == "True" then
   local seen = observed(status, ready)
   if seen ~= nil and (generation == nil or seen == generation) then

@@ -150,6 +150,35 @@ def test_not_ready_and_not_progressing_is_still_progressing() -> None:
     assert run_health(infsvc(1, status)) == ("Progressing", "0/1 replicas ready")
 
 
+def scaled_to_zero(generation: int) -> dict:
+    """An InferenceService at spec.replicas 0 whose Deployment has no pod left, with the status
+    the operator itself computes for it."""
+    from kvfleet.operator.status import compute_status
+
+    isvc = infsvc(generation)
+    isvc["spec"] = {"model": {"uri": "bundled"}, "replicas": 0}
+    deployment = {
+        "metadata": {"generation": 4, "annotations": {"kvfleet.dev/generation": str(generation)}},
+        "spec": {"replicas": 0},
+        "status": {"observedGeneration": 4},
+    }
+    isvc["status"] = compute_status(isvc, deployment, now="2025-01-01T00:00:00Z")
+    return isvc
+
+
+def test_scaled_to_zero_is_suspended_not_progressing_forever() -> None:
+    state, message = run_health(scaled_to_zero(3))
+    assert state == "Suspended"
+    assert "zero" in message
+
+
+def test_scaled_to_zero_for_an_older_generation_is_progressing() -> None:
+    # Scaled to zero was the verdict on generation 3; Argo CD just synced generation 4.
+    isvc = scaled_to_zero(3)
+    isvc["metadata"]["generation"] = 4
+    assert run_health(isvc)[0] == "Progressing"
+
+
 def test_argocd_cm_patch_inlines_health_lua_verbatim() -> None:
     patch = yaml.safe_load((ARGOCD / "argocd-cm-patch.yaml").read_text())
     assert patch["kind"] == "ConfigMap"

@@ -56,6 +56,21 @@ def test_chart_cluster_role_has_the_same_rules_as_manifests() -> None:
     assert normalised_rules(chart_role["rules"]) == normalised_rules(kustomize_role["rules"])
 
 
+def test_chart_lease_role_has_the_same_rules_as_manifests() -> None:
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render({}, name="kvfleet", namespace="kvfleet-system")
+    (chart_role,) = [
+        doc
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if isinstance(doc, dict) and doc.get("kind") == "Role"
+    ]
+    (kustomize_role,) = kustomize_objects("Role")
+    assert normalised_rules(chart_role["rules"]) == normalised_rules(kustomize_role["rules"])
+    assert kustomize_role["metadata"]["namespace"] == "kvfleet-system"
+
+
 def test_chart_alerts_are_the_monitoring_manifests_alerts() -> None:
     manifest = yaml.safe_load((ROOT / "manifests/monitoring/prometheusrule.yaml").read_text())
     chart_groups = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())

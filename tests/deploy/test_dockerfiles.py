@@ -199,7 +199,7 @@ def test_runtime_base_image_has_cuda_torch() -> None:
 def test_image_runs_as_a_numeric_non_root_user(image: Dockerfile) -> None:
     # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
     user = image.all("USER")[-1]
-    assert user.isdigit() and int(user) != 0
+    assert all(part.isdigit() and int(part) != 0 for part in user.split(":")), user
 
 
 def test_runtime_image_has_a_model_cache_volume_and_no_healthcheck() -> None:

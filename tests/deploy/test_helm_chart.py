@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
 VALUES_ALL = yaml.safe_load((Path(__file__).parent / "values-all.yaml").read_text())
 K8S_VERSION = kubernetes_validate.latest_version()
-# Prometheus Operator and kopf kinds: CRDs kubernetes-validate has no schema for.
-CUSTOM_GROUPS = ("monitoring.coreos.com/", "kopf.dev/")
+# Prometheus Operator kinds: CRDs kubernetes-validate has no schema for.
+CUSTOM_GROUPS = ("monitoring.coreos.com/",)
 RELEASE, NAMESPACE = "kvfleet", "kvfleet-system"
 
 
@@ -51,7 +51,7 @@ def operator_container(objects: list[dict]) -> dict:
 
 
 def check_custom_resource_shape(obj: dict) -> None:
-    """Minimal structure of the Prometheus Operator / kopf objects, whose CRDs are not here."""
+    """Minimal structure of the Prometheus Operator objects, whose CRDs are not here."""
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
     kind, spec = obj["kind"], obj.get("spec", {})
     if kind == "ServiceMonitor":
@@ -66,8 +66,6 @@ def check_custom_resource_shape(obj: dict) -> None:
             for rule in group["rules"]:
                 assert set(rule) <= {"alert", "record", "expr", "for", "labels", "annotations"}
                 assert rule["expr"] and ("alert" in rule) != ("record" in rule)
-    elif kind in {"KopfPeering", "ClusterKopfPeering"}:
-        assert obj["apiVersion"] == "kopf.dev/v1" and not spec
     else:
         raise AssertionError(f"no structural check for {kind}")
 
@@ -95,45 +93,59 @@ def test_defaults_install_only_the_operator(chart: helm.Chart) -> None:
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
 
 
-def test_everything_on_adds_monitors_rules_and_peering(chart: helm.Chart) -> None:
+def test_everything_on_adds_monitors_and_rules(chart: helm.Chart) -> None:
     objects = render(chart, VALUES_ALL)
     for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
         (monitor,) = by_kind(objects, kind)
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    peerings = by_kind(objects, "KopfPeering")
-    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
 
 
-def test_single_replica_runs_standalone_and_never_overlaps(chart: helm.Chart) -> None:
-    objects = render(chart, {})
+@pytest.mark.parametrize(
+    "values", [{}, {"replicas": 2}, {"replicas": 3, "watchNamespaces": ["ml"]}]
+)
+def test_every_replica_count_elects_a_leader_on_a_lease(chart: helm.Chart, values: dict) -> None:
+    # kopf peering gave equal priorities to every replica, so with two they paused each other.
+    objects = render(chart, values)
     args = operator_container(objects)["args"]
-    assert args[0] == "operator"
-    assert "--standalone" in args and "--all-namespaces" in args
-    assert not any(a.startswith("--peering") for a in args)
-    assert by_kind(objects, "Deployment")[0]["spec"]["strategy"]["type"] == "Recreate"
+    assert "--standalone" not in args and not any(a.startswith("--peering") for a in args)
+    assert f"--lease-name={RELEASE}" in args
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+           for e in operator_container(objects)["env"] if "valueFrom" in e}  # fmt: skip
+    assert env == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    assert not [o for o in objects if o["apiVersion"].startswith("kopf.dev/")]
     assert not by_kind(objects, "CustomResourceDefinition")
+    # A new pod starts as a standby before the old one stops and hands the Lease over.
+    strategy = by_kind(objects, "Deployment")[0]["spec"]["strategy"]
+    assert strategy == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
 
 
-@pytest.mark.parametrize("watch", [[], ["ml"]], ids=["cluster-wide", "namespaced"])
-def test_several_replicas_elect_a_leader_through_kopf_peering(
-    chart: helm.Chart, watch: list[str]
-) -> None:
-    objects = render(chart, {"replicas": 2, "watchNamespaces": watch})
-    args = operator_container(objects)["args"]
-    assert "--standalone" not in args
-    peering_name = next(a.split("=", 1)[1] for a in args if a.startswith("--peering="))
-    kind = "KopfPeering" if watch else "ClusterKopfPeering"
-    (peering,) = by_kind(objects, kind)
-    assert peering["metadata"]["name"] == peering_name
-    # A hook, so it is created after the peering CRDs rendered beside it.
-    assert "post-install" in peering["metadata"]["annotations"]["helm.sh/hook"]
-    crds = {c["spec"]["names"]["kind"] for c in by_kind(objects, "CustomResourceDefinition")}
-    assert crds == {"ClusterKopfPeering", "KopfPeering"}
+def test_the_lease_role_allows_election_in_the_release_namespace_only(chart: helm.Chart) -> None:
+    objects = render(chart, VALUES_ALL)
+    (role,) = by_kind(objects, "Role")
+    (binding,) = by_kind(objects, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "verbs": ["get", "create", "update"]}
+    ]  # fmt: skip
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]
+    }  # fmt: skip
+    (subject,) = binding["subjects"]
+    assert subject == {"kind": "ServiceAccount", "name": "kvfleet-operator", "namespace": NAMESPACE}
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    assert not [r for r in cluster_role["rules"] if "coordination.k8s.io" in r["apiGroups"]]
+    assert not [r for r in cluster_role["rules"] if "kopf.dev" in r["apiGroups"]]
 
 
 def test_watch_namespaces_become_operator_flags(chart: helm.Chart) -> None:
@@ -271,6 +283,6 @@ def test_operator_cli_accepts_the_rendered_arguments(chart: helm.Chart, values: 
     assert container["command"] == ["kvfleet"]
     args = cli.build_parser().parse_args(container["args"])
     assert args.command == "operator"
-    assert args.standalone == (values.get("replicas", 1) == 1)
+    assert not args.standalone and args.lease_name == RELEASE
     assert args.metrics_port == values.get("metrics", {}).get("port", 8080)
     assert args.namespace == values.get("watchNamespaces", [])

@@ -40,7 +40,6 @@ import aiohttp.test_utils
 import kmock
 import pytest
 import yaml
-from builtin_schemas import chart_minimum_kubernetes, schema_version
 from emulator import RealisticEmulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,15 +47,6 @@ ISVC = "kvfleet.dev/v1alpha1/inferenceservices"
 DEPLOYMENT = "apps/v1/deployments"
 SERVICE = "v1/services"
 POD = "v1/pods"
-# Issue 21, defect 6: the chart claims Kubernetes >= 1.27, but the operator renders
-# lifecycle.preStop.sleep, which a server older than 1.30 refuses; the strict xfail
-# test_emulator_builtins.py::test_rendered_children_are_admitted_at_the_charts_minimum shows
-# it. Until the chart states its real minimum (or the render falls back to an exec sleep),
-# the harness emulates the oldest Kubernetes the operator works on. Delete this line with
-# that xfail marker: the emulator's default is the chart's minimum.
-KUBERNETES = schema_version(
-    max(chart_minimum_kubernetes(), "1.30", key=lambda v: tuple(map(int, v.split("."))))
-)
 
 
 def sample(name: str) -> dict[str, Any]:
@@ -78,6 +68,16 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout}s (last value: {value!r})")
 
 
+LEASE = "coordination.k8s.io/v1/leases"
+# Leader election's Lease (operator/leader_election.py): get, create and update are what the
+# operator's Role allows; list, watch and delete are for tests and kubectl.
+LEASE_INFO = kmock.ResourceInfo(
+    kind="Lease",
+    namespaced=True,
+    verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+)
+
+
 @dataclass(slots=True)
 class Kube:
     """The running emulator and its URL."""
@@ -97,11 +97,12 @@ class RunningOperator:
 
 @pytest.fixture
 async def kube(tmp_path, monkeypatch) -> AsyncIterator[Kube]:
-    emulator = RealisticEmulator(kubernetes_version=KUBERNETES)
+    emulator = RealisticEmulator()  # validates at the chart's minimum Kubernetes
     emulator.declare_core()
     # Short keep-alive: kopf waits (up to 5 s) at exit for every task started after it,
     # idle server connections included.
     server_cls = functools.partial(aiohttp.test_utils.RawTestServer, keepalive_timeout=0.2)
+    emulator.resources[LEASE] = LEASE_INFO
     async with emulator, kmock.Server(emulator, server_cls=server_cls) as server:
         url = str(server.url).rstrip("/")
         kubeconfig = tmp_path / "kubeconfig"

@@ -20,6 +20,7 @@ from kvfleet.operator.autoscale_loop import (
     RUNTIME_PORT_SETTING,
     PollReport,
 )
+from kvfleet.operator.autoscaler import STALE_AFTER_POLLS
 from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.render import selector_labels
 
@@ -213,6 +214,28 @@ async def test_a_pod_that_cannot_be_read_blocks_scale_down(operator, fake_pods, 
     (event,) = await eventually(lambda: events(k8s, "ScaledDown"), timeout=3)
     assert "scaling 2 → 1" in event["message"]
     await eventually(lambda: autoscaler_ready(k8s, "status") == "True", timeout=3)
+
+
+async def test_a_pod_unreadable_for_longer_stops_holding_scale_down(operator, fake_pods, polls):
+    k8s = operator.emulator
+    k8s.create_object(ISVC, autoscaled(minReplicas=1, scaleDownStabilizationSeconds=0))
+    await eventually(lambda: replicas(k8s) == 1)
+    k8s.mutate(DEPLOYMENT, NS, "chat", lambda d: d["spec"].update(replicas=2))
+    fake_pods.answers[IPS[0]] = metrics_text(waiting=0, running=0, kv=0.0)  # idle
+    fake_pods.answers[IPS[1]] = 500  # its /metrics never works
+    add_pod(k8s, "chat", "chat-a", IPS[0])
+    add_pod(k8s, "chat", "chat-b", IPS[1])
+
+    # Held for STALE_AFTER_POLLS polls of 1 s, then chat-b is ignored and the idle pod decides.
+    await eventually(lambda: replicas(k8s) == 1, timeout=STALE_AFTER_POLLS + 6)
+    (event,) = await eventually(lambda: events(k8s, "ScaledDown"), timeout=3)
+    assert "scaling 2 → 1" in event["message"] and "chat-b" in event["message"]
+    held = [p for p in polls if p.current == 2 and p.pods_missing == 1]
+    assert len(held) >= STALE_AFTER_POLLS  # it did hold first
+    await eventually(
+        lambda: "no longer holding replicas up" in (autoscaler_ready(k8s, "message") or ""),
+        timeout=3,
+    )
 
 
 async def test_a_pod_still_starting_blocks_scale_down_but_not_scale_up(operator, fake_pods):

@@ -11,7 +11,14 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvfleet.operator.autoscaler import Decision, PodSample, Recommendation, decide_replicas
+from kvfleet.operator.autoscaler import (
+    NOT_CREATED,
+    STALE_AFTER_POLLS,
+    Decision,
+    PodSample,
+    Recommendation,
+    decide_replicas,
+)
 from kvfleet.operator.spec import AutoscalingSpec, SpecError, parse_autoscaling
 
 
@@ -38,12 +45,17 @@ def run_polls(
     """Feed decide_replicas its own output, like the operator's timer does; `load(replicas)`
     gives the samples the pods would report at that replica count."""
     interval = spec.poll_interval_seconds if interval is None else interval
-    current, history, decisions = start, (), []
+    current, history, missing, decisions = start, (), {}, []
     for i in range(polls):
-        decision = decide_replicas(load(current), current, spec, history, now=i * interval)
+        decision = decide_replicas(load(current), current, spec, history, i * interval, missing)
         decisions.append(decision)
-        current, history = decision.desired, decision.history
+        current, history, missing = decision.desired, decision.history, decision.missing_polls
     return decisions
+
+
+def first_change(decisions: list[Decision]) -> int | None:
+    """The index of the first poll that changed the replica count."""
+    return next((i for i, d in enumerate(decisions) if d.desired != d.current), None)
 
 
 # --- the spec -------------------------------------------------------------------------------
@@ -216,6 +228,44 @@ def test_missing_data_does_not_shorten_a_later_scale_down_window():
     assert blind.history[-1].replicas == 2  # recorded as "keep 2", not the blind guess of 1
     back = decide_replicas(pods(2, 0, 0.05), 2, SPEC, blind.history, now=500)
     assert back.desired == 2  # the window restarted when data went missing
+
+
+def test_a_pod_missing_for_more_than_n_polls_stops_blocking_scale_down():
+    # Two idle pods and one whose /metrics never answers (broken, or stuck not ready): held
+    # for STALE_AFTER_POLLS polls, then ignored; the usual scale-down window still applies.
+    stuck = [pod("a", 0, 0.05), pod("b", 0, 0.05), pod("c", scraped=False)]
+    decisions = run_polls(lambda n: stuck, SPEC, 3, 60)
+    window_polls = SPEC.scale_down_stabilization_seconds / SPEC.poll_interval_seconds
+    changed = first_change(decisions)
+    assert changed is not None, "one unreadable pod blocked scale-down forever"
+    assert STALE_AFTER_POLLS <= changed <= STALE_AFTER_POLLS + window_polls + 1
+    assert all("not scaling down" in d.reason for d in decisions[:STALE_AFTER_POLLS])
+    down = decisions[changed]
+    assert down.desired < 3 and down.pods_ignored == ("c",)
+    assert "c: missing for more than 5 polls, ignored" in down.reason
+    assert down.pods_missing == 1  # still reported as missing
+
+
+def test_a_pod_that_answers_again_starts_its_count_afresh():
+    answering = [pod("a", 0, 0.05), pod("b", 0, 0.05)]
+    silent = [*answering, pod("c", scraped=False)]
+    missing: dict = {}
+    loads = [silent] * STALE_AFTER_POLLS + [[*answering, pod("c", 0, 0.05)]] + [silent]
+    for i, samples in enumerate(loads):
+        decision = decide_replicas(samples, 3, SPEC, (Recommendation(0, 1),), 1000 + i, missing)
+        missing = decision.missing_polls
+    assert decision.missing_polls == {"c": 1} and not decision.pods_ignored
+    assert decision.desired == 3 and "not scaling down" in decision.reason
+
+
+def test_pods_never_created_stop_blocking_after_n_polls():
+    # Scaled to 3 but a ResourceQuota lets only one pod exist: the two that never appear hold
+    # a scale-down for STALE_AFTER_POLLS polls, not forever.
+    spec = autoscaling({"scaleDownStabilizationSeconds": 0})
+    decisions = run_polls(lambda n: [pod("a", 0, 0.0)], spec, 3, STALE_AFTER_POLLS + 2)
+    assert first_change(decisions) == STALE_AFTER_POLLS
+    assert decisions[STALE_AFTER_POLLS].pods_ignored == (NOT_CREATED,)
+    assert decisions[STALE_AFTER_POLLS].desired == 1
 
 
 def test_scale_up_still_happens_on_the_pods_that_answered():
@@ -391,3 +441,8 @@ def test_worked_example_from_the_docs():
         decision = decide_replicas(pods(current, waiting, kv), current, SPEC, history, now=t)
         assert decision.desired == expected, (t, decision.reason)
         current, history = decision.desired, decision.history
+
+
+def test_the_docs_state_the_missing_pod_bound_the_code_uses():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "autoscaling.md").read_text()
+    assert f"more than **{STALE_AFTER_POLLS} polls in a row**" in docs

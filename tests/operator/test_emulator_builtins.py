@@ -71,20 +71,8 @@ def test_the_emulator_validates_at_the_charts_minimum_kubernetes():
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-@pytest.mark.xfail(
-    strict=True,
-    raises=ApiError,
-    reason="issue 21 defect 6: render.py sets lifecycle.preStop.sleep (Kubernetes 1.30+) while "
-    "the chart claims >= 1.27; fix the chart or the render, then delete this marker and "
-    "kube_harness.KUBERNETES",
-)
 def test_rendered_children_are_admitted_at_the_charts_minimum(path):
     admit_rendered(path, RealisticEmulator())
-
-
-def test_the_charts_minimum_check_can_pass():
-    # The xfail above turns into a pass once the defect is fixed, not into another error.
-    admit_rendered(SAMPLES[0], RealisticEmulator(kubernetes_version=schema_version("1.30")))
 
 
 def admit_rendered(path: pathlib.Path, emulator: RealisticEmulator) -> None:

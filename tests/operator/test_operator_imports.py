@@ -39,7 +39,11 @@ def test_every_operator_module_imports_without_torch():
         "--liveness",
         "--metrics-port",
         "--standalone",
-        "--peering",
+        "--lease-name",
+        "--lease-namespace",
+        "--lease-duration",
+        "--renew-deadline",
+        "--retry-period",
     ],
 )
 def test_operator_help_documents_options(option):

@@ -30,7 +30,6 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* Leader election (kopf peering) is on exactly when more than one replica runs. */}}
-{{- define "kvfleet.leaderElection" -}}
-{{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
-{{- end -}}
+{{/* The uid and gid the operator runs as: the user docker/operator.Dockerfile creates. It is
+kvfleet.contract.KVFLEET_UID; tests/deploy/test_one_uid.py keeps every copy equal. */}}
+{{- define "kvfleet.uid" -}}10001{{- end -}}
