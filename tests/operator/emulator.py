@@ -30,12 +30,31 @@ from builtin_schemas import ROOT, chart_minimum_kubernetes, schema_version
 from emulator_apply import ApplyMixin, request_manager
 from emulator_reads import ReadsMixin
 from emulator_resources import CORE, crd_resource
-from kmock._internal import apps, rendering
+from kmock._internal import apps, parsing, rendering
 from patches import PatchTestFailed, json_patch, merge_patch
 from server_side_apply import record_update
 
 Key = tuple[Any, str | None, str]
 CRD_FILES = sorted((ROOT / "crds").glob("*.yaml"))
+_KMOCK_PARSE_PATH = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """kmock's path parsing, plus the core `namespaces` resource itself: kmock takes
+    `/api/v1/namespaces[/NAME]` for a namespace prefix and fails (HTTP 500) on it, so kopf,
+    which lists and watches namespaces when it serves only some, could not start."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        name = parts[3] if len(parts) > 3 else None
+        return parsing.ParsedPath(
+            "", "v1", "namespaces", None, name, parts[4] if len(parts) > 4 else None
+        )
+    return _KMOCK_PARSE_PATH(path)
+
+
+parsing.parse_path = _parse_path  # kmock's request parsing calls it through the module
 
 
 def _now() -> str:
@@ -71,6 +90,9 @@ class RealisticEmulator(ReadsMixin, ApplyMixin, kmock.KubernetesEmulator):
     _log: list[tuple[int, str, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _watchers: list[asyncio.Queue[Any]] = attrs.field(factory=list, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    # The HTTP status of each answer it served, by kmock's request id: whether a server-side
+    # apply created its object (201) is what decides if RBAC had to allow `create` too.
+    answers: dict[int, int] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -298,9 +320,11 @@ class RealisticEmulator(ReadsMixin, ApplyMixin, kmock.KubernetesEmulator):
             # emulator's state-keeping, which would double-store our writes).
             return await apps.RawHandler._handle(self, request)
         try:
-            return await self._serve(request, res)
+            response = await self._serve(request, res)
         except ApiError as err:
-            return err.response()
+            response = err.response()
+        self.answers[request.id] = response.status
+        return response
 
     async def _serve(self, request: rendering.Request, res: Any) -> aiohttp.web.StreamResponse:
         method, name, ns, sub = (
