@@ -6,6 +6,7 @@ import argparse
 import os
 
 from kvfleet.operator.leader_election import LeaseTiming
+from kvfleet.operator.render import DEFAULT_CLUSTER_DOMAIN, check_cluster_domain
 from kvfleet.operator.spec import DEFAULT_IMAGE
 
 from kvfleet import contract
@@ -119,6 +120,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(env KVFLEET_DEFAULT_RUNTIME_IMAGE; default {DEFAULT_IMAGE})",
     )
     p.add_argument(
+        "--cluster-domain",
+        metavar="DOMAIN",
+        type=_cluster_domain,
+        default=os.environ.get("KVFLEET_CLUSTER_DOMAIN", DEFAULT_CLUSTER_DOMAIN),
+        help="the cluster's DNS domain, for the Service URL in status.url "
+        f"(env KVFLEET_CLUSTER_DOMAIN; default {DEFAULT_CLUSTER_DOMAIN})",
+    )
+    p.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         type=str.upper,
@@ -127,6 +136,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--verbose", "-v", action="store_true", help="log every handler call (DEBUG)")
     p.set_defaults(func=run)
+
+
+def _cluster_domain(value: str) -> str:
+    try:
+        return check_cluster_domain(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def lease_namespace(args: argparse.Namespace) -> str:
@@ -188,6 +204,7 @@ async def _serve(args: argparse.Namespace, timing: LeaseTiming) -> None:
         OperatorConfig(
             max_gpus_per_node=args.max_gpus_per_node,
             default_runtime_image=args.default_runtime_image,
+            cluster_domain=args.cluster_domain,
         )
     )
     clusterwide = args.all_namespaces or not args.namespace

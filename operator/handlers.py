@@ -27,6 +27,7 @@ from kvfleet.operator.kube_api import (
     KubeApiError,
 )
 from kvfleet.operator.render import (
+    DEFAULT_CLUSTER_DOMAIN,
     MANAGED_BY,
     render_deployment,
     render_pdb,
@@ -54,6 +55,7 @@ class OperatorConfig:
 
     max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
     default_runtime_image: str = DEFAULT_IMAGE  # for specs that name no runtime image
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN  # status.url's DNS domain
     api: KubeApi | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -86,9 +88,11 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
     api = config.client()
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    domain = config.cluster_domain
     spec, problems = check_spec(isvc.get("spec") or {}, max_gpus_per_node=config.max_gpus_per_node)
     if problems or spec is None:
-        return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=problems)
+        deployment = api.get(DEPLOYMENTS, namespace, name)
+        return compute_status(isvc, deployment, problems=problems, cluster_domain=domain)
     try:
         deployment = apply_child(
             api,
@@ -108,8 +112,9 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         if exc.retryable:
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_SECONDS) from exc
         problem = SpecProblem("ApplyRejected", f"the API server rejected a child: {exc}")
-        return compute_status(isvc, api.get(DEPLOYMENTS, namespace, name), problems=[problem])
-    return compute_status(isvc, deployment, pods)
+        deployment = api.get(DEPLOYMENTS, namespace, name)
+        return compute_status(isvc, deployment, problems=[problem], cluster_domain=domain)
+    return compute_status(isvc, deployment, pods, cluster_domain=domain)
 
 
 def refresh_from_child(config: OperatorConfig, namespace: str, name: str) -> None:

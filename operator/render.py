@@ -6,6 +6,7 @@ here, so the render tests cover the whole spec-to-pod mapping.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,10 @@ STARTUP_PROBE_FAILURES = 180
 PROGRESS_MARGIN_SECONDS = 600
 CACHE_DIR = "/var/cache/kvfleet"  # compiled kernels, converted models; HF_HOME below it
 HF_HOME = f"{CACHE_DIR}/huggingface"
+# The cluster's DNS domain (the kubelet's --cluster-domain): Service names resolve under it.
+DEFAULT_CLUSTER_DOMAIN = "cluster.local"
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -56,9 +61,21 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
 
 
-def service_url(name: str, namespace: str) -> str:
+def check_cluster_domain(domain: str) -> str:
+    """The cluster DNS domain as written into URLs (no trailing dot); ValueError naming the
+    rule when it is not a DNS name."""
+    stripped = domain.strip().removesuffix(".")
+    if len(stripped) > 253 or not _DNS_SUBDOMAIN.fullmatch(stripped):
+        raise ValueError(
+            f"cluster domain {domain!r}: must be a DNS name of lowercase letters, digits, '-' "
+            "and '.', at most 253 characters (e.g. cluster.local)"
+        )
+    return stripped
+
+
+def service_url(name: str, namespace: str, cluster_domain: str = DEFAULT_CLUSTER_DOMAIN) -> str:
     """The in-cluster URL of the InferenceService's Service (port 80, so no port in the URL)."""
-    return f"http://{name}.{namespace}.svc.cluster.local"
+    return f"http://{name}.{namespace}.svc.{cluster_domain}"
 
 
 def served_name(spec: InferenceServiceSpec, name: str) -> str:

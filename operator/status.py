@@ -7,6 +7,7 @@ from typing import Any
 
 from kvfleet.operator import conditions as c
 from kvfleet.operator.render import (
+    DEFAULT_CLUSTER_DOMAIN,
     DOWNLOAD_CONTAINER_NAME,
     GENERATION_ANNOTATION,
     selector_string,
@@ -91,15 +92,17 @@ def compute_status(
     problems: Sequence[SpecProblem] = (),
     *,
     now: str | None = None,
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
 ) -> dict[str, Any]:
-    """The full `status` to write for an InferenceService, conditions merged with the current ones."""
+    """The full `status` to write for an InferenceService, conditions merged with the current
+    ones; `url` under the cluster's DNS domain."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     generation = int(meta.get("generation", 0))
     old = isvc.get("status") or {}
     status: dict[str, Any] = {
         "selector": selector_string(name),
-        "url": service_url(name, namespace),
+        "url": service_url(name, namespace, cluster_domain),
     }
     try:
         status["model"] = served_name(parse_spec(isvc.get("spec") or {}), name)

@@ -71,6 +71,24 @@ def test_chart_lease_role_has_the_same_rules_as_manifests() -> None:
     assert kustomize_role["metadata"]["namespace"] == "kvfleet-system"
 
 
+def test_both_installs_default_to_the_same_cluster_domain() -> None:
+    def domain(objects: list[dict]) -> str:
+        (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return next(e["value"] for e in container["env"] if e["name"] == "KVFLEET_CLUSTER_DOMAIN")
+
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render({}, name="kvfleet", namespace="kvfleet-system")
+    chart_objects = [
+        doc
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if isinstance(doc, dict)
+    ]
+    assert domain(chart_objects) == domain(kustomize_objects("Deployment")) == "cluster.local"
+
+
 def test_chart_alerts_are_the_monitoring_manifests_alerts() -> None:
     manifest = yaml.safe_load((ROOT / "manifests/monitoring/prometheusrule.yaml").read_text())
     chart_groups = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())

@@ -162,6 +162,7 @@ def test_image_and_runtime_image_default_to_the_app_version(chart: helm.Chart) -
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVFLEET_DEFAULT_RUNTIME_IMAGE"] == f"ghcr.io/kvfleet/runtime:{version}"
     assert env["KVFLEET_LOG_LEVEL"] == "INFO"
+    assert env["KVFLEET_CLUSTER_DOMAIN"] == "cluster.local"
 
 
 def test_runtime_image_default_lives_in_the_operator_not_the_crd() -> None:
@@ -188,6 +189,7 @@ def test_every_value_override_reaches_the_deployment(chart: helm.Chart) -> None:
     assert container["resources"] == VALUES_ALL["resources"]
     assert env["KVFLEET_DEFAULT_RUNTIME_IMAGE"] == VALUES_ALL["defaultRuntimeImage"]
     assert env["KVFLEET_LOG_LEVEL"] == "DEBUG"
+    assert env["KVFLEET_CLUSTER_DOMAIN"] == VALUES_ALL["clusterDomain"] == "k8s.example.internal"
     assert pod["nodeSelector"] == VALUES_ALL["nodeSelector"]
     assert pod["tolerations"] == VALUES_ALL["tolerations"]
     assert pod["affinity"] == VALUES_ALL["affinity"]
@@ -228,6 +230,8 @@ def test_chart_app_version_is_the_package_version(chart: helm.Chart) -> None:
         {"replicas": 0},
         {"watchNamespaces": "team-a"},
         {"logLevel": "LOUD"},
+        {"clusterDomain": "Cluster_Local"},
+        {"clusterDomain": ""},
         {"metrics": {"serviceMonitor": {"enabled": "yes"}}},
         {"image": {"repository": "x", "pullPolicy": "Sometimes"}},
         {"replica": 2},
@@ -276,13 +280,19 @@ def test_every_value_has_a_comment() -> None:
 
 
 @pytest.mark.parametrize("values", [{}, VALUES_ALL], ids=["defaults", "everything-on"])
-def test_operator_cli_accepts_the_rendered_arguments(chart: helm.Chart, values: dict) -> None:
+def test_operator_cli_accepts_the_rendered_arguments(
+    chart: helm.Chart, values: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvfleet.runtime import cli
 
     container = operator_container(render(chart, values))
+    for var in container["env"]:
+        if "value" in var:
+            monkeypatch.setenv(var["name"], var["value"])
     assert container["command"] == ["kvfleet"]
     args = cli.build_parser().parse_args(container["args"])
     assert args.command == "operator"
     assert not args.standalone and args.lease_name == RELEASE
     assert args.metrics_port == values.get("metrics", {}).get("port", 8080)
     assert args.namespace == values.get("watchNamespaces", [])
+    assert args.cluster_domain == values.get("clusterDomain", "cluster.local")

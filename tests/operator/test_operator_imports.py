@@ -44,6 +44,7 @@ def test_every_operator_module_imports_without_torch():
         "--lease-duration",
         "--renew-deadline",
         "--retry-period",
+        "--cluster-domain",
     ],
 )
 def test_operator_help_documents_options(option):
