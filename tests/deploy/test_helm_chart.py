@@ -131,12 +131,18 @@ def test_every_replica_count_elects_a_leader_on_a_lease(chart: helm.Chart, value
 
 def test_the_lease_role_allows_election_in_the_release_namespace_only(chart: helm.Chart) -> None:
     objects = render(chart, VALUES_ALL)
-    (role,) = by_kind(objects, "Role")
-    (binding,) = by_kind(objects, "RoleBinding")
+    (role,) = [
+        r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leader-election")
+    ]
+    (binding,) = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["kind"] == "Role"
+                  and b["roleRef"]["name"] == role["metadata"]["name"]]  # fmt: skip
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    lease = next(a.split("=", 1)[1] for a in operator_container(objects)["args"]
+                 if a.startswith("--lease-name="))  # fmt: skip
     assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-         "verbs": ["get", "create", "update"]}
+         "resourceNames": [lease], "verbs": ["get", "update"]},
     ]  # fmt: skip
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]
@@ -146,6 +152,40 @@ def test_the_lease_role_allows_election_in_the_release_namespace_only(chart: hel
     (cluster_role,) = by_kind(objects, "ClusterRole")
     assert not [r for r in cluster_role["rules"] if "coordination.k8s.io" in r["apiGroups"]]
     assert not [r for r in cluster_role["rules"] if "kopf.dev" in r["apiGroups"]]
+
+
+@pytest.mark.parametrize("values", [{}, VALUES_ALL], ids=["defaults", "everything-on"])
+def test_no_rule_grants_what_the_operator_never_does(chart: helm.Chart, values: dict) -> None:
+    # It scales by merge-patching the Deployment and creates children by server-side apply:
+    # deployments/scale, update (PUT) and the events.k8s.io group were granted but unused.
+    # (tests/operator/test_rbac_coverage.py checks every verb against a real run.)
+    rules = [r for o in by_kind(render(chart, values), "ClusterRole") + by_kind(render(chart, values), "Role")
+             for r in o["rules"]]  # fmt: skip
+    granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"]
+               for v in r["verbs"]}  # fmt: skip
+    assert not [g for g in granted if g[1] == "deployments/scale" or g[0] == "events.k8s.io"]
+    assert not [g for g in granted if g[2] in ("update", "*") and g[1] != "leases"]
+    assert ("policy", "poddisruptionbudgets", "delete") in granted
+
+
+def test_watch_namespaces_get_a_role_each_and_no_cluster_wide_access(chart: helm.Chart) -> None:
+    objects = render(chart, VALUES_ALL)
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    assert {res for r in cluster_role["rules"] for res in r["resources"]} == {
+        "customresourcedefinitions",  # kopf's scanning
+        "namespaces",  # kopf serving some namespaces lists them all
+    }
+    assert all(set(r["verbs"]) == {"list", "watch"} for r in cluster_role["rules"])
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(objects, "Role")}
+    bindings = {
+        (b["metadata"]["namespace"], b["roleRef"]["name"]): b["subjects"]
+        for b in by_kind(objects, "RoleBinding")
+    }
+    for namespace in VALUES_ALL["watchNamespaces"]:
+        assert (namespace, RELEASE) in roles
+        assert bindings[namespace, RELEASE] == [
+            {"kind": "ServiceAccount", "name": "kvfleet-operator", "namespace": NAMESPACE}
+        ]
 
 
 def test_watch_namespaces_become_operator_flags(chart: helm.Chart) -> None:

@@ -225,11 +225,13 @@ def test_operator_rbac_is_least_privilege():
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
-    assert "delete" not in set().union(*verbs.values())  # children go by garbage collection
+    # Children go by garbage collection; only the budget is deleted, when replicas go down to
+    # one. (test_rbac_coverage.py holds every verb against a real run.)
+    assert {k for k, v in verbs.items() if "delete" in v} == {("policy", "poddisruptionbudgets")}
     assert "*" not in str(role["rules"])
-    assert verbs[("kvfleet.dev", "inferenceservices/status")] == {"get", "patch"}
+    assert verbs[("kvfleet.dev", "inferenceservices/status")] == {"patch"}
     assert "update" not in verbs[("kvfleet.dev", "inferenceservices")]  # spec is never written
-    assert verbs[("", "pods")] == {"get", "list", "watch"}
+    assert verbs[("", "pods")] == {"list", "watch"}
 
 
 def test_operator_deployment_runs_non_root_with_liveness_and_metrics():

@@ -33,3 +33,46 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{/* The uid and gid the operator runs as: the user docker/operator.Dockerfile creates. It is
 kvfleet.contract.KVFLEET_UID; tests/deploy/test_one_uid.py keeps every copy equal. */}}
 {{- define "kvfleet.uid" -}}10001{{- end -}}
+
+{{/* The Lease the replicas elect the active one through (--lease-name; the leader-election
+Role grants get and update on this name only). */}}
+{{- define "kvfleet.leaseName" -}}{{ include "kvfleet.fullname" . }}{{- end -}}
+
+{{/* What the operator does to InferenceServices and their children: the rules of the
+ClusterRole when every namespace is watched, of one Role per namespace with watchNamespaces.
+Each verb is one the operator sends (tests/operator/test_rbac_coverage.py runs it and checks
+both ways); manifests/rbac.yaml holds the same rules (tests/deploy compares them). */}}
+{{- define "kvfleet.namespacedRules" -}}
+# The InferenceServices: kopf lists and watches them and patches its bookkeeping annotations
+# onto them; the handlers and the autoscaler read one (get).
+- apiGroups: [kvfleet.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+# Status is written through the subresource, never with the spec.
+- apiGroups: [kvfleet.dev]
+  resources: [inferenceservices/status]
+  verbs: [patch]
+# The children, server-side applied (a PATCH; the API server also checks `create` when that
+# PATCH creates the object). kopf watches Deployments and Services to put back drift; the
+# autoscaler reads the Deployment and merge-patches its replicas (not deployments/scale).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [list, watch, create, patch]
+# The PodDisruptionBudget for more than one replica: read, applied, deleted when replicas go
+# down to one (garbage collection removes it with its InferenceService).
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
+# Pods: kopf watches them for status (crash loops); the reconciler and the autoscaler list them.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# The autoscaler's ScaledUp/ScaledDown Events (core/v1; kopf posts none: its log-to-Event
+# posting is off).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
