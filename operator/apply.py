@@ -15,7 +15,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator.kube_api import KubeApi
+from kvfleet.operator.kube_api import KubeApi, KubeApiError
 
 OPERATOR_MANAGER = "kvfleet-operator"
 # The autoscaler's scale writes: it owns spec.replicas while autoscaling is on.
@@ -59,7 +59,14 @@ def _hand_replicas_to_the_autoscaler(
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"replicas": (live.get("spec") or {}).get("replicas", body["spec"]["replicas"])},
     }
-    api.apply(resource, namespace, replicas, AUTOSCALER_MANAGER)
+    try:
+        # Not forced: if the count changed since it was read (the autoscaler's or a person's
+        # scale), someone else owns it now, which is all the hand-over needs; a forced apply
+        # would put the stale count back.
+        api.apply(resource, namespace, replicas, AUTOSCALER_MANAGER, force=False)
+    except KubeApiError as exc:
+        if exc.status != 409:
+            raise
 
 
 def owns(obj: Mapping[str, Any], manager: str, path: tuple[str, ...]) -> bool:

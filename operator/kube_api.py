@@ -141,11 +141,14 @@ class KubeApi:
         namespace: str,
         body: Mapping[str, Any],
         field_manager: str,
+        *,
+        force: bool = True,
     ) -> dict[str, Any]:
-        """Server-side apply `body` as `field_manager`, forcing conflicts: the object becomes
-        what this manager applies, and fields it applied before and no longer does go."""
+        """Server-side apply `body` as `field_manager`: the object becomes what this manager
+        applies, and fields it applied before and no longer does go. With `force`, fields other
+        managers own are taken over; without, such a field is a 409."""
         name = body["metadata"]["name"]
-        query = {"fieldManager": field_manager, "force": "true"}
+        query = {"fieldManager": field_manager, "force": "true" if force else "false"}
         return (
             self.request(
                 "PATCH",
