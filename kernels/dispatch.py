@@ -113,6 +113,24 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+# The names `linear_path` gives the kernels a projection may run on: a benchmark reports each
+# figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL, cuBLAS).
+PATH_AMX = "AMX"
+PATH_AVX512_BF16 = "AVX512-BF16"
+PATH_AVX512_F32 = "AVX-512 float32"
+PATH_AVX2 = "AVX2"
+PATH_TORCH = "torch"
+
+
+def linear_path(weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> str:
+    """Which kernel `linear` runs for a step of `rows` rows through `weight` (one of the PATH_*
+    names), asked of the same predicates that route the call."""
+    if isinstance(weight, cpu_linear.PackedLinear):
+        return PATH_AMX if cpu_linear.amx_tiles(weight, rows) is not None else PATH_TORCH
+    x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return PATH_AVX512_F32 if cpu_gemm_f32.takes(x, weight) else PATH_TORCH
+
+
 def rms_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
