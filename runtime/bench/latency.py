@@ -14,15 +14,21 @@ Rates are measured at both ends of the run and the higher one counts, so a bound
 flattered by a slow phase of a shared host. Every figure names the kernel path that produced it
 (AMX, AVX512-BF16, AVX-512 float32, AVX2 or torch) and whether decode steps ran the fused
 one-call step; the host's CPU flags are reported with them.
+
+`--baseline library` also runs every batch size and prompt with kvfleet's own GEMMs switched
+off (every projection on torch's oneDNN or MKL, and so op by op, no fused step), taking turns
+with the default path: what those kernels gain, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -64,6 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"prompt lengths whose TTFT is timed, comma-separated (default {DEFAULT_PROMPTS})",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed prompts per length (default 3)")
+    p.add_argument(
+        "--baseline",
+        choices=("none", "library"),
+        default="none",
+        help="library: also time each row with kvfleet's GEMMs off (torch's oneDNN/MKL, op by "
+        "op), in turns with the default path",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -86,6 +99,10 @@ class DecodeRow:
     over_one_sequence: float | None  # this step's median / the 1-sequence step's
     gemm_path: str  # the kernel running the step's projections
     fused_steps: int  # timed steps that ran the fused one-call decode step
+    # With --baseline library: the same batch with kvfleet's GEMMs off (step_median_ms,
+    # step_min_ms, gemm_path, fused_steps) and this row's speedup over it (median over median).
+    baseline: dict | None = None
+    speedup_over_baseline: float | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +115,8 @@ class TtftRow:
     bound_ms: float  # prefill FLOPs / GEMM rate
     ratio_to_bound: float
     gemm_path: str  # the kernel running the prompt's projections (its largest step)
+    baseline: dict | None = None  # as DecodeRow's: ttft_median_ms, ttft_min_ms, gemm_path
+    speedup_over_baseline: float | None = None
 
 
 @dataclass(slots=True)
@@ -203,6 +222,24 @@ class _Probe:
         del model.forward, model.compute_logits  # the class's methods again
         if self._stack is not None:
             del self._stack.run
+
+
+@contextlib.contextmanager
+def library_gemms() -> Iterator[None]:
+    """kvfleet's own GEMMs off for the block: every projection on torch (oneDNN or MKL), which
+    also keeps decode steps off the fused call (it runs only where the per-op path's GEMMs are
+    kvfleet's)."""
+    from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
+
+    limits = [(cpu_gemm, "MAX_ROWS"), (cpu_gemm, "VECTOR_MAX_ROWS"), (cpu_gemm_f32, "MAX_ROWS")]
+    saved = [getattr(module, name) for module, name in limits]
+    try:
+        for module, name in limits:
+            setattr(module, name, 0)
+        yield
+    finally:
+        for (module, name), value in zip(limits, saved, strict=True):
+            setattr(module, name, value)
 
 
 def _prompt(rng: Any, pool: Any, tokens: int) -> list[int]:
@@ -323,14 +360,40 @@ def measure(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(config.seed)
     pool = _token_pool(engine)
     weight = _projection_weight(engine)
+    max_batched = engine.scheduler.config.max_num_batched_tokens
 
-    decode_raw = []
+    with_baseline = args.baseline == "library"
+
+    def decode(n: int) -> dict:
+        return measure_decode(
+            engine, n, args.context, args.decode_steps, args.warmup_steps, rng, pool
+        )
+
+    # Default path and baseline take turns per batch size and per prompt: each comparison is
+    # made within seconds on a host whose speed drifts over minutes.
+    decode_raw, decode_base = [], {}
     for n in sequences:
-        decode_raw.append(
-            (n, measure_decode(engine, n, args.context, args.decode_steps, args.warmup_steps,
-                               rng, pool))
-        )  # fmt: skip
-    ttft_raw = [(t, measure_ttft(engine, t, args.repeats, rng, pool)) for t in prompts]
+        decode_raw.append((n, decode(n)))
+        if with_baseline:
+            with library_gemms():
+                decode_base[n] = {**decode(n), "gemm_path": dispatch.linear_path(weight, n)}
+    ttft_raw, ttft_base = [], {}
+    for t in prompts:
+        times, base = [], []
+        for _ in range(args.repeats):
+            times += measure_ttft(engine, t, 1, rng, pool)
+            if with_baseline:
+                with library_gemms():
+                    base += measure_ttft(engine, t, 1, rng, pool)
+        ttft_raw.append((t, times))
+        if with_baseline:
+            with library_gemms():
+                path = dispatch.linear_path(weight, min(t, max_batched))
+            ttft_base[t] = {
+                "ttft_median_ms": statistics.median(base) * 1e3,
+                "ttft_min_ms": min(base) * 1e3,
+                "gemm_path": path,
+            }
 
     read_last = measure_read_rate(device)
     gemm_last = measure_matmul_flops(engine.dtype, device)
@@ -338,18 +401,25 @@ def measure(args: argparse.Namespace) -> dict:
     bound_ms = weight_bytes / read_rate * 1e3
 
     one = next((r["step_median_ms"] for n, r in decode_raw if n == 1), None)
-    decode = [
-        DecodeRow(
-            sequences=n,
-            context_tokens=args.context,
-            bound_ms=bound_ms,
-            ratio_to_bound=r["step_median_ms"] / bound_ms,
-            over_one_sequence=r["step_median_ms"] / one if one else None,
-            gemm_path=dispatch.linear_path(weight, n),
-            **r,
+    decode = []
+    for n, r in decode_raw:
+        base = decode_base.get(n)
+        keep = ("step_median_ms", "step_min_ms", "gemm_path", "fused_steps")
+        decode.append(
+            DecodeRow(
+                sequences=n,
+                context_tokens=args.context,
+                bound_ms=bound_ms,
+                ratio_to_bound=r["step_median_ms"] / bound_ms,
+                over_one_sequence=r["step_median_ms"] / one if one else None,
+                gemm_path=dispatch.linear_path(weight, n),
+                baseline={k: base[k] for k in keep} if base else None,
+                speedup_over_baseline=base["step_median_ms"] / r["step_median_ms"]
+                if base
+                else None,
+                **r,
+            )
         )
-        for n, r in decode_raw
-    ]
     ttft = []
     for tokens, times in ttft_raw:
         flops = prefill_flops(mc, tokens)
@@ -363,9 +433,11 @@ def measure(args: argparse.Namespace) -> dict:
                 prefill_gflop=flops / 1e9,
                 bound_ms=flops / gemm_rate * 1e3,
                 ratio_to_bound=median / (flops / gemm_rate),
-                gemm_path=dispatch.linear_path(
-                    weight, min(tokens, engine.scheduler.config.max_num_batched_tokens)
-                ),
+                gemm_path=dispatch.linear_path(weight, min(tokens, max_batched)),
+                baseline=ttft_base.get(tokens),
+                speedup_over_baseline=ttft_base[tokens]["ttft_median_ms"] / (median * 1e3)
+                if tokens in ttft_base
+                else None,
             )
         )
     single = next((row for row in decode if row.sequences == 1), None)
@@ -376,6 +448,7 @@ def measure(args: argparse.Namespace) -> dict:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "kernel_path": dispatch.linear_path(weight, 1),
+        "baseline": args.baseline,
         "weight_bytes": weight_bytes,
         "read_rate_bytes_per_s": read_rate,
         "read_rate_first_last": [read_first, read_last],
@@ -411,12 +484,25 @@ def _print(report: dict) -> None:
             f"{r['other_median_ms']:>6.2f} {r['ratio_to_bound']:>8.2f} {over:>8} "
             f"{r['fused_steps']:>3}/{r['steps']:<3} {r['gemm_path']}"
         )
+        if r["baseline"]:
+            b = r["baseline"]
+            print(
+                f"{'':>5} {b['step_median_ms']:>9.2f} {b['step_min_ms']:>7.2f}  baseline "
+                f"({b['gemm_path']}, fused {b['fused_steps']}/{r['steps']}): "
+                f"{r['speedup_over_baseline']:.2f}x"
+            )
     print(f"{'prompt':>7} {'TTFT ms':>9} {'min':>8} {'bound':>8} {'x bound':>8}  path")
     for r in report["ttft"]:
         print(
             f"{r['prompt_tokens']:>7} {r['ttft_median_ms']:>9.1f} {r['ttft_min_ms']:>8.1f} "
             f"{r['bound_ms']:>8.1f} {r['ratio_to_bound']:>8.2f}  {r['gemm_path']}"
         )
+        if r["baseline"]:
+            b = r["baseline"]
+            print(
+                f"{'':>7} {b['ttft_median_ms']:>9.1f} {b['ttft_min_ms']:>8.1f}  baseline "
+                f"({b['gemm_path']}): {r['speedup_over_baseline']:.2f}x"
+            )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ def test_reports_every_figure_with_its_bound_and_path(dtype, tiny_llama_dir, tmp
         assert 0 < r["forward_median_ms"] < r["step_median_ms"]
         assert r["ratio_to_bound"] == pytest.approx(r["step_median_ms"] / bound)
         assert 0 <= r["fused_steps"] <= r["steps"]
+    assert report["baseline"] == "none" and r["baseline"] is None
     assert report["single_stream_ratio"] == report["decode"][0]["ratio_to_bound"]
     assert report["decode"][0]["over_one_sequence"] == 1.0
     assert [r["prompt_tokens"] for r in report["ttft"]] == [8, 40]
@@ -88,3 +89,26 @@ def test_float32_decode_names_the_avx512_kernel_and_the_fused_step(tiny_llama_di
 def test_bad_flags_are_named(flags, named, tiny_llama_dir, capsys):
     assert main(["bench", "latency", "--model", str(tiny_llama_dir), *flags]) == 1
     assert named in capsys.readouterr().err
+
+
+def test_library_baseline_times_every_row_with_torchs_gemms(tiny_llama_dir, tmp_path):
+    """--baseline library runs each row again with kvfleet's GEMMs off: torch's path, op by op,
+    and the speedup is the ratio of the two medians; the kernels' limits are put back."""
+    from kvfleet.kernels.cpu import cpu_gemm
+
+    limits = (cpu_gemm.MAX_ROWS, cpu_gemm.VECTOR_MAX_ROWS, cpu_gemm_f32.MAX_ROWS)
+    report = _run(tiny_llama_dir, tmp_path, "--sequences", "1,4", "--baseline", "library")
+    assert report["baseline"] == "library"
+    for r in report["decode"]:
+        base = r["baseline"]
+        assert base["gemm_path"] == dispatch.PATH_TORCH and base["fused_steps"] == 0
+        assert 0 < base["step_min_ms"] <= base["step_median_ms"]
+        assert r["speedup_over_baseline"] == pytest.approx(
+            base["step_median_ms"] / r["step_median_ms"]
+        )
+    for r in report["ttft"]:
+        assert r["baseline"]["gemm_path"] == dispatch.PATH_TORCH
+        assert r["speedup_over_baseline"] == pytest.approx(
+            r["baseline"]["ttft_median_ms"] / r["ttft_median_ms"]
+        )
+    assert limits == (cpu_gemm.MAX_ROWS, cpu_gemm.VECTOR_MAX_ROWS, cpu_gemm_f32.MAX_ROWS)
