@@ -29,9 +29,14 @@ from kvfleet.kernels.cpu import cpu_library
 # docs/results/bench-gemm-rows-c32.json). At 2048 rows oneDNN's blocking wins (1.13x,
 # docs/results/bench-gemm-rows-offline.json): full prefill steps stay there.
 MAX_ROWS = 1024
-# Row counts the AVX512-BF16 vector engine takes from oneDNN (see VECTOR_MAX_ROWS' measurement
-# in docs/benchmarks.md).
-VECTOR_MAX_ROWS = 32
+# Row counts the AVX512-BF16 vector engine takes from oneDNN. On a 2-core Zen 4 host it streams
+# a step's projections 2.3x faster at 1-4 rows and 1.9x at 8, and from ~16 rows computes near
+# the host's bf16 peak, 1.03-1.28x oneDNN up to 1024 rows and even at 2048 (`kvfleet bench
+# cpu-kernels`). On an offline run's steps (`kvfleet bench gemm-rows --candidates
+# 0,32,256,1024,2048`, docs/results/bench-gemm-rows-avx512bf16-offline.json) the forward took a
+# median 0.755x oneDNN's time with this limit (faster in 236 of 265 steps: 0.45x at 1-16 rows,
+# 0.72x at 33-64, 0.81x at 65-255); 2048 gained nothing more on full prefill steps.
+VECTOR_MAX_ROWS = 1024
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
 # cpu_gemm.c's engines.

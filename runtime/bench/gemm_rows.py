@@ -28,9 +28,10 @@ from typing import Any
 
 from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
-# Keyed by the limit a run moves. AMX: its old and current limits. AVX512-BF16: none, and row
-# counts around its limit. float32: none (the kernel needs 4 rows) and the current limit.
-DEFAULT_CANDIDATES = {"MAX_ROWS": "96,1024", "VECTOR_MAX_ROWS": "0,16,32,64", "float32": "3,128"}
+# Keyed by the limit a run moves. AMX: its old and current limits. AVX512-BF16: none (oneDNN
+# throughout) and the current limit. float32: none (the kernel needs 4 rows) and the current
+# limit.
+DEFAULT_CANDIDATES = {"MAX_ROWS": "96,1024", "VECTOR_MAX_ROWS": "0,1024", "float32": "3,128"}
 # Row-count buckets of the report: decode batches (small, serving-sized, offline-sized), a
 # prompt beside decodes, full prefill steps.
 BUCKETS = (
