@@ -55,7 +55,10 @@
  * depend on what else is in the batch.
  * Measured on a 2-core Zen 4 host against the dot form on the plain weight (x and W rows both
  * contiguous along K, reduced across lanes at the end, cpu_gemm_f32.c's small-row form): 28 vs
- * 22 GB/s at 1 row, 25 vs 16 at 4; oneDNN's packed bf16 GEMM read 12-13 GB/s at 1-8 rows. */
+ * 22 GB/s at 1 row, 25 vs 16 at 4; oneDNN's packed bf16 GEMM read 12-13 GB/s at 1-8 rows.
+ * Software prefetch of both blocks' lines 1-8 KiB ahead, as the AMX engine does, was slower in
+ * interleaved runs at 1, 4 and 16 rows (the hardware prefetchers follow one contiguous stream
+ * per thread; the prefetches took load slots), so this engine has none. */
 #include "cpu_amx.h"
 #include "cpu_entry_points.h"
 #include "cpu_math.h"
