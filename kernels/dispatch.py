@@ -1,7 +1,8 @@
 """The one entry point the model calls for each op: Triton on CUDA; on CPU the C kernels
 (cpu_attention, cpu_prefill, cpu_cache, cpu_elementwise, cpu_argmax), prepacked bf16 GEMMs
-(cpu_linear: oneDNN's, and cpu_gemm's AMX kernel for decode-sized steps) and float32 GEMMs of
-decode-sized steps (cpu_gemm_f32) where they take the inputs, else the torch reference.
+(cpu_linear: oneDNN's, and cpu_gemm's AMX or AVX512-BF16 kernel for decode-sized steps) and
+float32 GEMMs of decode-sized steps (cpu_gemm_f32) where they take the inputs, else the torch
+reference.
 
 `set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
 TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
@@ -113,6 +114,26 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+# The names `linear_path` gives the kernels a projection may run on: a benchmark reports each
+# figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL, cuBLAS).
+PATH_AMX = "AMX"
+PATH_AVX512_BF16 = "AVX512-BF16"
+PATH_AVX512_F32 = "AVX-512 float32"
+PATH_AVX2 = "AVX2"
+PATH_TORCH = "torch"
+
+
+def linear_path(weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> str:
+    """Which kernel `linear` runs for a step of `rows` rows through `weight` (one of the PATH_*
+    names), asked of the same predicates that route the call."""
+    if isinstance(weight, cpu_linear.PackedLinear):
+        if cpu_linear.gemm_tiles(weight, rows) is None:
+            return PATH_TORCH
+        return PATH_AMX if cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX else PATH_AVX512_BF16
+    x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return PATH_AVX512_F32 if cpu_gemm_f32.takes(x, weight) else PATH_TORCH
+
+
 def rms_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -122,9 +143,9 @@ def rms_norm_linear(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)` and the residual
-    `rms_norm` returns. Decode-sized CPU steps on the AMX GEMM normalise the rows while packing
-    them for it (one call, same numbers); everything else makes the two calls."""
-    tiles = cpu_linear.amx_tiles(weight, x.shape[0])
+    `rms_norm` returns. Decode-sized CPU steps on cpu_gemm (AMX or AVX512-BF16) normalise the
+    rows on their way into it (one call, same numbers); everything else makes the two calls."""
+    tiles = cpu_linear.gemm_tiles(weight, x.shape[0])
     if tiles is not None and cpu_elementwise.supports_rms_norm(x, norm_weight, residual):
         return cpu_gemm.rms_norm_linear(x, norm_weight, eps, residual, tiles, bias)
     normed, residual = rms_norm(x, norm_weight, eps, residual)
@@ -137,8 +158,8 @@ def silu_and_mul_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight, bias)`: SwiGLU's gate and the down projection, in one
-    call on decode-sized CPU steps on the AMX GEMM (same numbers), else the two calls."""
-    tiles = cpu_linear.amx_tiles(weight, x.shape[0])
+    call on decode-sized CPU steps on cpu_gemm (same numbers), else the two calls."""
+    tiles = cpu_linear.gemm_tiles(weight, x.shape[0])
     if tiles is not None and cpu_elementwise.supports_silu_and_mul(x):
         return cpu_gemm.silu_and_mul_linear(x, tiles, bias)
     return linear(silu_and_mul(x), weight, bias)

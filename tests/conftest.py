@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from bf16_engines import ENGINES, force_bf16_engine
 from tiny_models import make_tiny_model
 
 
@@ -29,3 +30,10 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) 
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> Path:
     """A 3-layer random Qwen2 (tied embeddings, q/k/v biases) with the bundled tokenizer."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(params=ENGINES)
+def bf16_gemm_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each engine of the bf16 decode-sized GEMM in turn (`bf16_engines.force_bf16_engine`)."""
+    force_bf16_engine(monkeypatch, request.param)
+    return request.param

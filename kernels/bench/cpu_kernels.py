@@ -9,7 +9,8 @@ intermediate 1536, vocab 49152, 30 layers, bf16).
   reference (gather + batched matmuls), 128 sequences of 100-700 tokens, rotating through
   enough layer caches that every call reads from memory, not from cache;
 - projections: a step's GEMMs (30 layers' distinct qkv, o, gate_up and down weights, then the
-  LM head) at 1 to 2048 rows, the AMX kernel (`cpu_gemm`) against oneDNN on its prepacked
+  LM head) at 1 to 2048 rows, kvfleet's bf16 kernel (`cpu_gemm`, on its AMX engine or, without
+  AMX, its AVX512-BF16 one: the row says which) against oneDNN on its prepacked
   weight (`cpu_linear`), both timed on every row count to show where each wins (`kvfleet bench
   gemm-rows` asks the same of a real run's steps);
 - float32 (the CPU default without AVX512-BF16), where the build has AVX-512: prefill attention
@@ -81,12 +82,13 @@ class GemmRow:
     rows: int
     weight_mb: float  # read per step: every layer's projections and the LM head
     onednn_ms: float
-    amx_ms: float | None
+    kernel: str | None  # cpu_gemm's engine ("AMX", "AVX512-BF16"), None where neither runs
+    kernel_ms: float | None
     onednn_gbps: float
-    amx_gbps: float | None
-    amx_speedup: float | None
-    # The 30 layers as the model runs them on the AMX kernel (norms and gate included), with
-    # the norm and gate as separate calls, then fused into the GEMMs' input packing.
+    kernel_gbps: float | None
+    kernel_speedup: float | None
+    # The 30 layers as the model runs them on cpu_gemm (norms and gate included), with the norm
+    # and gate as separate calls, then fused into the GEMMs' input rows.
     separate_ops_ms: float | None = None
     fused_ops_ms: float | None = None
 
@@ -295,14 +297,15 @@ def gemm_weights(torch, layers: int):
 
 
 def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
-    """One step's projections at `rows` rows: oneDNN and (where it runs) the AMX kernel."""
+    """One step's projections at `rows` rows: oneDNN and (where it runs) cpu_gemm."""
+    from kvfleet.kernels import dispatch
     from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 
     gen = torch.Generator().manual_seed(rows)
     inputs = {
         k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)
     }
-    # What `cpu_linear.linear` runs without the AMX kernel (row buckets included).
+    # What `cpu_linear.linear` runs without cpu_gemm (row buckets included).
     onednn_only = [
         cpu_linear.PackedLinear(p.onednn, None, p.out_features, p.in_features) for p in packed
     ]
@@ -311,19 +314,21 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
         for p in onednn_only:
             cpu_linear.linear(inputs[p.in_features], p)
 
-    def amx_step():
+    def kernel_step():
         for p in packed:
             cpu_gemm.linear(inputs[p.in_features], p.tiles)
 
     weight_bytes = sum(w.numel() * 2 for w in plain)
-    amx_ms = None
-    if all(p.tiles is not None for p in packed):
+    kernel = kernel_ms = None
+    if all(p.tiles is not None for p in packed) and cpu_gemm.available():
+        amx = cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX
+        kernel = dispatch.PATH_AMX if amx else dispatch.PATH_AVX512_BF16
         for w, p in zip(plain[:4] + plain[-1:], packed[:4] + packed[-1:], strict=True):
             x = inputs[w.shape[1]]
             got = cpu_gemm.linear(x, p.tiles)
             want = torch.nn.functional.linear(x, w)
-            _verify(torch, f"projection {tuple(w.shape)} at {rows} rows (AMX)", got, want)
-        onednn_ms, amx_ms = alternating_min_ms([onednn_step, amx_step], iters)
+            _verify(torch, f"projection {tuple(w.shape)} at {rows} rows ({kernel})", got, want)
+        onednn_ms, kernel_ms = alternating_min_ms([onednn_step, kernel_step], iters)
     else:
         onednn_ms = min_ms(onednn_step, iters)
 
@@ -331,10 +336,10 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
         return weight_bytes / (ms * 1e-3) / 1e9 if ms else None
 
     row = GemmRow(
-        rows, weight_bytes / 1e6, onednn_ms, amx_ms, gbps(onednn_ms), gbps(amx_ms),
-        onednn_ms / amx_ms if amx_ms else None,
+        rows, weight_bytes / 1e6, onednn_ms, kernel, kernel_ms, gbps(onednn_ms), gbps(kernel_ms),
+        onednn_ms / kernel_ms if kernel_ms else None,
     )  # fmt: skip
-    if amx_ms is not None and rows <= cpu_gemm.MAX_ROWS:
+    if kernel_ms is not None and rows <= cpu_gemm.max_rows():
         row.separate_ops_ms, row.fused_ops_ms = _layer_ops_ms(torch, rows, packed[:-1], iters)
     return row
 
@@ -569,14 +574,17 @@ def print_report(report: dict) -> None:
             f"{_fmt(r['amx_speedup_over_dot'], '.2f')}x"
         )
     if report["projections"]:
+        name = report["projections"][0]["kernel"] or "cpu_gemm"
         print("projections per step (30 layers + LM head), ms (GB/s of weights read); then the")
-        print("30 layers' projections with their norms and gate, as separate calls and fused (AMX)")
-        print(f"{'rows':>6} {'oneDNN':>15} {'AMX':>15} {'speedup':>8} {'separate':>9} {'fused':>7}")
+        print(
+            f"30 layers' projections with their norms and gate, separate calls and fused ({name})"
+        )
+        print(f"{'rows':>6} {'oneDNN':>15} {name:>15} {'speedup':>8} {'separate':>9} {'fused':>7}")
         for r in report["projections"]:
             print(
                 f"{r['rows']:>6} {r['onednn_ms']:>7.2f} ({r['onednn_gbps']:>4.1f}) "
-                f"{_fmt(r['amx_ms'], '7.2f')} ({_fmt(r['amx_gbps'], '4.1f')}) "
-                f"{_fmt(r['amx_speedup'], '7.2f')}x {_fmt(r['separate_ops_ms'], '9.2f')} "
+                f"{_fmt(r['kernel_ms'], '7.2f')} ({_fmt(r['kernel_gbps'], '4.1f')}) "
+                f"{_fmt(r['kernel_speedup'], '7.2f')}x {_fmt(r['separate_ops_ms'], '9.2f')} "
                 f"{_fmt(r['fused_ops_ms'], '7.2f')}"
             )
     f32 = report["float32"]

@@ -11,9 +11,10 @@
  * (kernels stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
  * attributed (the OpenMP wait policy did not change it).
  *
- * kvfleet_decode_step_bf16 takes decode-only steps (up to cpu_gemm.MAX_ROWS sequences, where the
- * per-op path's projections run on the same AMX GEMM) of bf16 weights packed for it, and
- * head-major bf16 caches. kvfleet_decode_step_f32 is the float32 model's (the CPU default
+ * kvfleet_decode_step_bf16 takes decode-only steps of bf16 weights packed by cpu_gemm.pack and
+ * head-major bf16 caches, on the bf16 GEMM engine gemm_kernel names (AMX, or AVX512-BF16 vectors
+ * without AMX), up to the rows where the per-op path's projections run on that same engine
+ * (cpu_gemm.max_rows()). kvfleet_decode_step_f32 is the float32 model's (the CPU default
  * without AVX512-BF16): plain float32 weights, float32 caches, and steps of the rows the per-op
  * path runs on cpu_gemm_f32 (cpu_gemm_f32.MIN_ROWS to MAX_ROWS), its kernels the per-op path's
  * float32 ones: RMSNorm, the GEMM, rotary + cache write, attention, SiLU-and-mul.
@@ -103,7 +104,8 @@ static int rotate_cache_attend(const DecodeStack *stack, const DecodeLayer *w, c
 int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual,
                              int64_t m, const int64_t *positions, const int64_t *slots,
                              const int32_t *block_tables, int64_t table_stride,
-                             const int32_t *seq_lens, int allow_amx, int num_threads) {
+                             const int32_t *seq_lens, int allow_amx, int num_threads,
+                             int gemm_kernel) {
     const int64_t h = stack->hidden, d = stack->head_dim;
     const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
     const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * (int64_t)stack->intermediate;
@@ -114,21 +116,22 @@ int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *
     for (int layer = 0; layer < stack->num_layers; layer++) {
         const DecodeLayer *w = &stack->layers[layer];
         /* The first layer starts the residual stream from the embeddings. */
-        FAIL(STAGE_QKV, kvfleet_linear_amx_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, layer > 0,
-                                                w->input_norm, stack->eps, w->qkv, w->qkv_bias,
-                                                qkv, qkv_n, m, qkv_n, h, num_threads));
+        FAIL(STAGE_QKV, kvfleet_linear_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, layer > 0,
+                                            w->input_norm, stack->eps, w->qkv, w->qkv_bias, qkv,
+                                            qkv_n, m, qkv_n, h, gemm_kernel, num_threads));
         FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_BFLOAT16,
                                         sizeof(uint16_t), m, positions, slots, block_tables,
                                         table_stride, seq_lens, allow_amx, num_threads));
-        FAIL(STAGE_O, kvfleet_linear_amx_bf16(attn, q_size, PROLOGUE_NONE, NULL, 0, NULL, 0.0f,
-                                              w->o, NULL, hidden, h, m, h, q_size, num_threads));
+        FAIL(STAGE_O, kvfleet_linear_bf16(attn, q_size, PROLOGUE_NONE, NULL, 0, NULL, 0.0f, w->o,
+                                          NULL, hidden, h, m, h, q_size, gemm_kernel,
+                                          num_threads));
         FAIL(STAGE_GATE_UP,
-             kvfleet_linear_amx_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, 1, w->post_norm,
-                                     stack->eps, w->gate_up, NULL, gate_up, gate_up_n, m,
-                                     gate_up_n, h, num_threads));
-        FAIL(STAGE_DOWN, kvfleet_linear_amx_bf16(gate_up, gate_up_n, PROLOGUE_SILU_AND_MUL, NULL,
-                                                 0, NULL, 0.0f, w->down, NULL, hidden, h, m, h,
-                                                 stack->intermediate, num_threads));
+             kvfleet_linear_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, 1, w->post_norm,
+                                 stack->eps, w->gate_up, NULL, gate_up, gate_up_n, m, gate_up_n,
+                                 h, gemm_kernel, num_threads));
+        FAIL(STAGE_DOWN, kvfleet_linear_bf16(gate_up, gate_up_n, PROLOGUE_SILU_AND_MUL, NULL, 0,
+                                             NULL, 0.0f, w->down, NULL, hidden, h, m, h,
+                                             stack->intermediate, gemm_kernel, num_threads));
     }
     free(buffers);
     return OK;

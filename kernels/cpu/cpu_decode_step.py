@@ -9,8 +9,9 @@ that took a bf16 bundled-model decode step from 26.6 to 16.1 ms at 1 sequence an
 on an AVX-512-only host a float32 one from 41.9 to 32.8 ms at 4 sequences, 87.2 to 73.6 at 32
 and 293.6 to 275.3 at 128 (`--dtype float32`, docs/results/bench-decode-step-float32.json).
 
-Two forms, by the model's dtype. bf16: weights prepacked for the AMX GEMM, head-major bf16
-caches, up to `cpu_gemm.MAX_ROWS` sequences. float32 (the CPU default without AVX512-BF16):
+Two forms, by the model's dtype. bf16: weights prepacked for cpu_gemm (whose AMX engine runs on
+AMX hosts, its AVX512-BF16 one elsewhere), head-major bf16 caches, up to `cpu_gemm.max_rows()`
+sequences. float32 (the CPU default without AVX512-BF16):
 plain weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`.
 `build` says once per stack and set of caches whether one applies; `DecodeStack.accepts` says
 per step (decodes only, as many as the per-op path runs on the same GEMM kernel).
@@ -168,10 +169,10 @@ class DecodeStack:
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether this step runs here: only decodes, as many as the per-op path would run on
-        the same GEMM kernel (`cpu_gemm.MAX_ROWS` in bf16, `cpu_gemm_f32.MIN_ROWS` to
+        the same GEMM kernel (`cpu_gemm.max_rows()` in bf16, `cpu_gemm_f32.MIN_ROWS` to
         `MAX_ROWS` in float32), so that fused and per-op give the same bits."""
         if self.dtype == _BF16:
-            lo, hi = 1, cpu_gemm.MAX_ROWS
+            lo, hi = 1, cpu_gemm.max_rows()
         else:
             lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
         return (
@@ -209,13 +210,17 @@ class DecodeStack:
         residual = torch.empty(rows, self.hidden, dtype=torch.float32)
         tables = meta.block_tables
         lib = cpu_library.library()
-        step = lib.kvfleet_decode_step_bf16 if self.dtype == _BF16 else lib.kvfleet_decode_step_f32
-        status = step(
+        args = (
             ctypes.byref(self._stack), hidden.data_ptr(), residual.data_ptr(), rows,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
             tables.stride(0), meta.seq_lens.data_ptr(), int(cpu_attention.ALLOW_AMX),
             torch.get_num_threads(),
         )  # fmt: skip
+        if self.dtype == _BF16:
+            # The engine the per-op path's projections run on, asked per step as they ask it.
+            status = lib.kvfleet_decode_step_bf16(*args, cpu_gemm.kernel())
+        else:
+            status = lib.kvfleet_decode_step_f32(*args)
         if status != 0:
             self._raise(status)
         return hidden, residual

@@ -10,11 +10,11 @@
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2, DTYPE_FP8_E5M2 = 3 };
 
 /* cpu_gemm.c */
-int kvfleet_linear_amx_bf16(const uint16_t *x, int64_t x_stride, int prologue, float *residual,
-                            int has_residual, const uint16_t *norm_weight, float eps,
-                            const uint16_t *packed, const float *bias, uint16_t *out,
-                            int64_t out_stride, int64_t m, int64_t n, int64_t k,
-                            int num_threads);
+int kvfleet_linear_bf16(const uint16_t *x, int64_t x_stride, int prologue, float *residual,
+                        int has_residual, const uint16_t *norm_weight, float eps,
+                        const uint16_t *packed, const float *bias, uint16_t *out,
+                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int kernel,
+                        int num_threads);
 
 /* cpu_gemm_f32.c */
 int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias,

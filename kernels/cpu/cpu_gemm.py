@@ -1,14 +1,17 @@
-"""bf16 projections on AMX tiles (kernels/cpu/cpu_gemm.c): a decode step's GEMMs, and those of a
-step that carries a prompt of a few hundred tokens beside the decodes.
+"""bf16 projections of decode-sized steps (kernels/cpu/cpu_gemm.c) on one packed weight layout with
+two engines: AMX tiles, and on CPUs with AVX512-BF16 but no AMX, AVX-512 vectors (`vdpbf16ps`,
+columns in lanes). A decode step's GEMMs, and on AMX those of a step that carries a prompt of a
+few hundred tokens beside the decodes.
 
 At decode-sized row counts a projection streams its weight once and does little arithmetic per
 byte; oneDNN's kernels for those shapes read the weight well below the rate the host can stream
-(`kvfleet bench cpu-kernels`: this kernel is 1.05-1.7x faster up to 96 rows). At a few hundred
-rows oneDNN's kernels for the bundled model's narrow shapes (576-3072 columns) fall to 0.8-1.4
-TFLOP/s, where this one keeps L2-sized row chunks against weight pairs in L1. The C kernel
-reads weights prepacked (`pack`) into the byte order of AMX B tiles, in the order it uses them.
-Same numbers as oneDNN up to float32 summation order: both multiply bf16 pairs exactly and
-accumulate in float32, and both round the result to bf16 once.
+(`kvfleet bench cpu-kernels`: the AMX engine is 1.05-1.7x faster up to 96 rows; on a 2-core
+Zen 4 host oneDNN read 12-13 GB/s at 1-8 rows where the vector engine reads 23-28). At a few
+hundred rows oneDNN's kernels for the bundled model's narrow shapes (576-3072 columns) fall to
+0.8-1.4 TFLOP/s, where the AMX engine keeps L2-sized row chunks against weight pairs in L1. Both
+engines read weights prepacked (`pack`) into the byte order of AMX B tiles, in the order they
+use them. Same numbers as oneDNN up to float32 summation order: all multiply bf16 pairs exactly
+and accumulate in float32, and all round the result to bf16 once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import functools
 import torch
 from kvfleet.kernels.cpu import cpu_library
 
-# Row counts this kernel takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
+# Row counts the AMX engine takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
 # faster; at 128-1024 rows (a serving batch's decodes plus a new prompt) it computes 1.1x faster
 # (`kvfleet bench cpu-kernels`, docs/results/bench-cpu-kernels-1024.json); on a real run's
 # steps, capped at 32 sequences, the forward took a median 0.81x the time with this limit than
@@ -26,8 +29,21 @@ from kvfleet.kernels.cpu import cpu_library
 # docs/results/bench-gemm-rows-c32.json). At 2048 rows oneDNN's blocking wins (1.13x,
 # docs/results/bench-gemm-rows-offline.json): full prefill steps stay there.
 MAX_ROWS = 1024
+# Row counts the AVX512-BF16 vector engine takes from oneDNN. On a 2-core Zen 4 host it streams
+# a step's projections 2.3x faster at 1-4 rows and 1.9x at 8, and from ~16 rows computes near
+# the host's bf16 peak, 1.03-1.28x oneDNN up to 1024 rows and even at 2048 (`kvfleet bench
+# cpu-kernels`). On an offline run's steps (`kvfleet bench gemm-rows --candidates
+# 0,32,256,1024,2048`, docs/results/bench-gemm-rows-avx512bf16-offline.json) the forward took a
+# median 0.755x oneDNN's time with this limit (faster in 236 of 265 steps: 0.45x at 1-16 rows,
+# 0.72x at 33-64, 0.81x at 65-255); 2048 gained nothing more on full prefill steps.
+VECTOR_MAX_ROWS = 1024
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
+# cpu_gemm.c's engines.
+KERNEL_AMX, KERNEL_AVX512_BF16 = 0, 1
+# Whether the AMX engine may run where the CPU has it (tests turn it off to run the vector engine
+# on an AMX host; the engine is chosen per call, so do it before a model's first step).
+ALLOW_AMX = True
 
 
 @functools.cache
@@ -35,9 +51,40 @@ def _amx_present() -> bool:
     return bool(cpu_library.library().kvfleet_linear_amx())
 
 
-def available() -> bool:
-    """Whether the kernel runs here: the C library built for AMX and the tile state granted."""
+@functools.cache
+def _vectors_present() -> bool:
+    return bool(cpu_library.library().kvfleet_linear_avx512_bf16())
+
+
+def amx_available() -> bool:
+    """Whether the AMX engine runs here: the C library built for AMX and the tile state granted."""
     return cpu_library.available() and _amx_present()
+
+
+def vectors_available() -> bool:
+    """Whether the AVX512-BF16 vector engine runs here: the library built for AVX512-BF16."""
+    return cpu_library.available() and _vectors_present()
+
+
+def kernel() -> int | None:
+    """The engine decode-sized bf16 projections run on here (KERNEL_AMX where the CPU has AMX,
+    else KERNEL_AVX512_BF16), or None where neither runs."""
+    if ALLOW_AMX and amx_available():
+        return KERNEL_AMX
+    return KERNEL_AVX512_BF16 if vectors_available() else None
+
+
+def available() -> bool:
+    """Whether either engine runs here."""
+    return kernel() is not None
+
+
+def max_rows() -> int:
+    """The most rows a step may have for its projections to run here (0 where none runs)."""
+    engine = kernel()
+    if engine is None:
+        return 0
+    return MAX_ROWS if engine == KERNEL_AMX else VECTOR_MAX_ROWS
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -75,27 +122,31 @@ def _run(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
 ) -> torch.Tensor:
-    """The C call: rows made from x by `prologue`, k inputs each, times the packed weight."""
+    """The C call: rows made from x by `prologue`, k inputs each, times the packed weight, on
+    this host's engine."""
     n = packed.shape[0] * 16
     if x.dim() != 2 or k != packed.shape[1] * 32 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
         raise ValueError(
-            f"AMX linear: input {tuple(x.shape)} {x.dtype} does not fit a bf16 weight of "
+            f"bf16 linear: input {tuple(x.shape)} {x.dtype} does not fit a bf16 weight of "
             f"[{n}, {packed.shape[1] * 32}], or its rows are strided"
         )
     rows = x.shape[0]
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     if rows == 0:
         return out
+    engine = kernel()
+    if engine is None:
+        raise RuntimeError("bf16 linear kernel: neither AMX nor AVX512-BF16 runs here")
     b = bias.float().contiguous() if bias is not None else None
-    status = cpu_library.library().kvfleet_linear_amx_bf16(
+    status = cpu_library.library().kvfleet_linear_bf16(
         x.data_ptr(), x.stride(0), prologue,
         residual.data_ptr() if residual is not None else None, int(has_residual),
         norm_weight.data_ptr() if norm_weight is not None else None, eps,
         packed.data_ptr(), b.data_ptr() if b is not None else None,
-        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), rows, n, k, engine, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise RuntimeError(f"AMX linear kernel failed with status {status} for x {tuple(x.shape)}")
+        raise RuntimeError(f"bf16 linear kernel failed with status {status} for x {tuple(x.shape)}")
     return out
 
 

@@ -83,14 +83,15 @@ SIGNATURES: dict[str, list[type]] = {
     # x, x_stride, rows, cols, out, num_threads
     "kvfleet_argmax_f32": [_p, _i64, _i64, _i64, _p, _i],
     # x, x_stride, prologue, residual, has_residual, norm_weight, eps, packed, bias, out,
-    # out_stride, m, n, k, num_threads
-    "kvfleet_linear_amx_bf16": [_p, _i64, _i, _p, _i, _p, _f, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    # out_stride, m, n, k, kernel, num_threads
+    "kvfleet_linear_bf16": [_p, _i64, _i, _p, _i, _p, _f, _p, _p, _p, _i64, _i64, _i64, _i64, _i, _i],
     "kvfleet_linear_amx": [],
+    "kvfleet_linear_avx512_bf16": [],
     # x, x_stride, w, bias, out, out_stride, m, n, k, num_threads
     "kvfleet_linear_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
-    # table_stride, seq_lens, allow_amx, num_threads
-    "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
+    # table_stride, seq_lens, allow_amx, num_threads (bf16: then the GEMM kernel)
+    "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i, _i],
     "kvfleet_decode_step_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
 }  # fmt: skip
 

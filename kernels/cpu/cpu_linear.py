@@ -12,10 +12,11 @@ in its cache. A server's steps have ever-changing row counts (decodes plus promp
 rows are padded up to a bucket (`padded_rows`: up to 15 rows or 1/16 more, 64 buckets up to 2048
 rows) and nearly every step reuses a built kernel.
 
-Row counts up to `cpu_gemm.MAX_ROWS` (decode batches, and decodes with a prompt of a few hundred
-tokens beside them) go to kvfleet's AMX kernel instead, which is faster than oneDNN there
-(`kvfleet bench cpu-kernels`, `kvfleet bench gemm-rows`); the weight is then held in both
-layouts (`PackedLinear`), twice its plain size in memory.
+Row counts up to `cpu_gemm.max_rows()` go to kvfleet's own bf16 GEMM instead, which is faster
+than oneDNN there: its AMX engine (decode batches, and decodes with a prompt of a few hundred
+tokens beside them: `kvfleet bench cpu-kernels`, `kvfleet bench gemm-rows`) or, without AMX, its
+AVX512-BF16 engine (decode batches); the weight is then held in both layouts (`PackedLinear`),
+twice its plain size in memory.
 
 float32 and float16 gained nothing from packing here, so they keep the plain weight and
 `F.linear`; so does bf16 on a CPU that only emulates it (`cpu_features.native_bf16`). The
@@ -67,7 +68,8 @@ def supports(weight: torch.Tensor) -> bool:
 @dataclass(slots=True, eq=False)
 class PackedLinear:
     """A bf16 [out_features, in_features] weight in the layouts `linear` reads: oneDNN's blocked
-    one (an opaque tensor) and, where the AMX kernel runs and takes the shape, AMX tile order."""
+    one (an opaque tensor) and, where cpu_gemm runs and takes the shape, AMX tile order (which
+    both of its engines read)."""
 
     onednn: torch.Tensor
     tiles: torch.Tensor | None
@@ -90,11 +92,11 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def amx_tiles(weight: object, rows: int) -> torch.Tensor | None:
-    """The AMX-packed weight when a step of `rows` rows through `weight` runs on the AMX kernel
-    (a `PackedLinear` with tiles, 1 to `cpu_gemm.MAX_ROWS` rows), else None: the one place that
+def gemm_tiles(weight: object, rows: int) -> torch.Tensor | None:
+    """The tile-packed weight when a step of `rows` rows through `weight` runs on cpu_gemm (a
+    `PackedLinear` with tiles, 1 to `cpu_gemm.max_rows()` rows), else None: the one place that
     routes a projection, and the ops fused into it, to that kernel."""
-    if isinstance(weight, PackedLinear) and 0 < rows <= cpu_gemm.MAX_ROWS:
+    if isinstance(weight, PackedLinear) and 0 < rows <= cpu_gemm.max_rows():
         return weight.tiles
     return None
 
@@ -103,7 +105,7 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
     """`F.linear(x, weight, bias)` for the weight `packed` came from; x is [..., in_features]."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    tiles = amx_tiles(packed, rows)
+    tiles = gemm_tiles(packed, rows)
     if tiles is not None:
         out = cpu_gemm.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), tiles, bias)
         return out.view(*x.shape[:-1], packed.out_features)

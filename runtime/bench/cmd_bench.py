@@ -1,4 +1,4 @@
-"""`kvfleet bench {throughput,serve,kernels,cpu-kernels,decode-step,gemm-rows}`: speed claims
+"""`kvfleet bench {throughput,serve,latency,kernels,cpu-kernels,decode-step,gemm-rows}`: speed claims
 are measured, with their baseline in the same run. Each sub-command lives in its own module."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import argparse
 BENCH_MODULES = (
     "kvfleet.runtime.bench.throughput",
     "kvfleet.runtime.bench.serve",
+    "kvfleet.runtime.bench.latency",
     "kvfleet.kernels.bench.triton_kernels",
     "kvfleet.kernels.bench.cpu_kernels",
     "kvfleet.runtime.bench.decode_step",
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, kernels, cpu-kernels, decode-step, gemm-rows",
+        help="benchmarks: throughput, serve, latency, kernels, cpu-kernels, decode-step, gemm-rows",
         description="Measure kvfleet against a baseline in the same run.",
     )
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

@@ -3,7 +3,7 @@ layer from Python) and as one fused C call (`kvfleet.kernels.cpu.cpu_decode_step
 batch sizes, in one run.
 
 Each batch size first checks that the two give the same hidden states to the bit (both run
-every projection on the same GEMM kernel: AMX in bfloat16, `cpu_gemm_f32` in float32), then
+every projection on the same GEMM kernel: `cpu_gemm` in bfloat16, `cpu_gemm_f32` in float32), then
 times them alternately: what a step costs with the fused call and without it. Times are the
 minimum and median over `--iters` steps each, logits included. CPU only; `--dtype auto` is the
 CPU's default (bfloat16 where it is native, else float32).
@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-# bf16: up to cpu_gemm.MAX_ROWS sequences; float32: cpu_gemm_f32.MIN_ROWS to MAX_ROWS.
+# bf16: up to cpu_gemm.max_rows() sequences (AMX 1024, AVX512-BF16 fewer); float32:
+# cpu_gemm_f32.MIN_ROWS to MAX_ROWS.
 DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "4,8,32,128"}
 
 
@@ -147,7 +148,7 @@ def _row_limits(torch, dtype) -> tuple[int, int]:
     from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
     if dtype == torch.bfloat16:
-        return 1, cpu_gemm.MAX_ROWS
+        return 1, cpu_gemm.max_rows()
     return cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
 
 
@@ -171,7 +172,7 @@ def measure(model: str, sequences: list[int], context: int, iters: int, dtype_na
                     batch = _Batch(torch, net, config, n, context, dtype)
                 if batch is None or net.decode_stack_for(batch.kv) is None:
                     needs = (
-                        "AMX" if dtype == torch.bfloat16 else "AVX-512"
+                        "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
                     ) + f" and {lo} to {hi} sequences"
                     raise RuntimeError(
                         f"no fused decode step here for {n} sequences in {dtype_name} "
@@ -191,11 +192,16 @@ def measure(model: str, sequences: list[int], context: int, iters: int, dtype_na
 
 
 def _default_sequences(dtype_name: str) -> str:
-    if dtype_name == "auto":
-        from kvfleet.kernels.cpu import cpu_features
+    """The defaults the fused call takes here (the AVX512-BF16 engine takes fewer rows than
+    AMX's)."""
+    from kvfleet.kernels.cpu import cpu_features, cpu_gemm
 
+    if dtype_name == "auto":
         dtype_name = "bfloat16" if cpu_features.native_bf16() else "float32"
-    return DEFAULT_SEQUENCES[dtype_name]
+    counts = _parse_sequences(DEFAULT_SEQUENCES[dtype_name])
+    if dtype_name == "bfloat16" and cpu_gemm.available():
+        counts = [n for n in counts if n <= cpu_gemm.max_rows()]
+    return ",".join(map(str, counts))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """`kvfleet bench gemm-rows`: where kvfleet's own projection kernel should hand a step's GEMMs
 over to the library one, measured on the steps of a real run rather than on one shape. In bf16
-that is the AMX kernel against oneDNN (`cpu_gemm.MAX_ROWS`); in float32, the AVX-512 kernel
-for decode-sized steps against MKL's F.linear (`cpu_gemm_f32.MAX_ROWS`).
+that is `cpu_gemm` against oneDNN (`cpu_gemm.MAX_ROWS` for its AMX engine, `VECTOR_MAX_ROWS`
+for its AVX512-BF16 one, whichever runs here); in float32, the AVX-512 kernel for decode-sized
+steps against MKL's F.linear (`cpu_gemm_f32.MAX_ROWS`).
 
 Runs the standard workload offline (as `bench throughput --baseline none`, same engine flags)
 and runs the model's forward of every step that has more rows than the lowest candidate once
@@ -27,9 +28,10 @@ from typing import Any
 
 from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
-# bf16: the AMX kernel's old and current limits. float32: none (the kernel needs 4 rows) and
-# the current limit.
-DEFAULT_CANDIDATES = {"bfloat16": "96,1024", "float32": "3,128"}
+# Keyed by the limit a run moves. AMX: its old and current limits. AVX512-BF16: none (oneDNN
+# throughout) and the current limit. float32: none (the kernel needs 4 rows) and the current
+# limit.
+DEFAULT_CANDIDATES = {"MAX_ROWS": "96,1024", "VECTOR_MAX_ROWS": "0,1024", "float32": "3,128"}
 # Row-count buckets of the report: decode batches (small, serving-sized, offline-sized), a
 # prompt beside decodes, full prefill steps.
 BUCKETS = (
@@ -48,8 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--candidates",
         default=None,
-        help="MAX_ROWS values to compare, the first the reference (default: bf16 "
-        f"{DEFAULT_CANDIDATES['bfloat16']}, float32 {DEFAULT_CANDIDATES['float32']})",
+        help="row limits to compare, the first the reference (default: bf16 on AMX "
+        f"{DEFAULT_CANDIDATES['MAX_ROWS']}, bf16 on AVX512-BF16 "
+        f"{DEFAULT_CANDIDATES['VECTOR_MAX_ROWS']}, float32 {DEFAULT_CANDIDATES['float32']})",
     )
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--workload-seed", type=int, default=0)
@@ -72,13 +75,15 @@ def parse_candidates(text: str) -> list[int]:
 
 class PairedForward:
     """Stands in for the model's forward: steps with more rows than the lowest candidate run
-    once per candidate (rotating order) and are timed; the rest run once, untimed. `gemm` is
-    the kernel module whose MAX_ROWS the candidates set (default the AMX one)."""
+    once per candidate (rotating order) and are timed; the rest run once, untimed. The
+    candidates set attribute `limit` of kernel module `gemm` (default cpu_gemm's MAX_ROWS)."""
 
-    def __init__(self, forward: Any, candidates: list[int], gemm: Any = None) -> None:
+    def __init__(
+        self, forward: Any, candidates: list[int], gemm: Any = None, limit: str = "MAX_ROWS"
+    ) -> None:
         from kvfleet.kernels.cpu import cpu_gemm
 
-        self._gemm = gemm or cpu_gemm
+        self._gemm, self._limit = gemm or cpu_gemm, limit
         self._forward = forward
         self.candidates = candidates
         self.rows: list[int] = []
@@ -91,16 +96,16 @@ class PairedForward:
         n = len(self.candidates)
         turn = len(self.rows) % n
         times = [0.0] * n
-        default = self._gemm.MAX_ROWS
+        default = getattr(self._gemm, self._limit)
         out = None
         try:
             for i in [(turn + j) % n for j in range(n)]:
-                self._gemm.MAX_ROWS = self.candidates[i]
+                setattr(self._gemm, self._limit, self.candidates[i])
                 start = time.perf_counter()
                 out = self._forward(input_ids, *args, **kwargs)
                 times[i] = time.perf_counter() - start
         finally:
-            self._gemm.MAX_ROWS = default
+            setattr(self._gemm, self._limit, default)
         self.rows.append(rows)
         self.seconds.append(times)
         return out
@@ -139,8 +144,9 @@ def _summary(ratios: list[float]) -> dict[str, Any]:
     }
 
 
-def routed_kernel(device: Any, dtype: Any) -> Any:
-    """The kernel module whose MAX_ROWS routes this engine's projections, or RuntimeError."""
+def routed_kernel(device: Any, dtype: Any) -> tuple[Any, str]:
+    """The kernel module and its attribute whose value routes this engine's projections, or
+    RuntimeError."""
     import torch
     from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
@@ -148,11 +154,14 @@ def routed_kernel(device: Any, dtype: Any) -> Any:
         raise RuntimeError(f"needs --device cpu and bfloat16 or float32, got {device} {dtype}")
     if dtype == torch.bfloat16:
         if not cpu_gemm.available():
-            raise RuntimeError("no AMX GEMM on this machine or build: nothing to route in bf16")
-        return cpu_gemm
+            raise RuntimeError(
+                "no AMX or AVX512-BF16 GEMM on this machine or build: nothing to route in bf16"
+            )
+        amx = cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX
+        return cpu_gemm, "MAX_ROWS" if amx else "VECTOR_MAX_ROWS"
     if not cpu_gemm_f32.available():
         raise RuntimeError("no AVX-512 GEMM in this build: nothing to route in float32")
-    return cpu_gemm_f32
+    return cpu_gemm_f32, "MAX_ROWS"
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,16 +171,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    gemm = routed_kernel(engine.device, engine.dtype)
+    gemm, limit = routed_kernel(engine.device, engine.dtype)
     dtype = str(engine.dtype).removeprefix("torch.")
-    candidates = parse_candidates(args.candidates or DEFAULT_CANDIDATES[dtype])
+    default = DEFAULT_CANDIDATES["float32" if dtype == "float32" else limit]
+    candidates = parse_candidates(args.candidates or default)
     workload = standard_workload(
         engine.tokenizer,
         args.num_prompts,
         args.workload_seed,
         vocab_size=engine.model_config.vocab_size,
     )
-    paired = PairedForward(engine.model.forward, candidates, gemm)
+    paired = PairedForward(engine.model.forward, candidates, gemm, limit)
     engine.model.forward = paired  # an instance attribute: nn.Module.__call__ finds it first
     try:
         run = run_engine(engine, workload)
@@ -181,6 +191,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "model": config.model,
         "dtype": dtype,
         "kernel": gemm.__name__.rsplit(".", 1)[-1],
+        "limit": limit,  # the attribute the candidates set
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_prompts": len(workload),
@@ -204,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         f"model {report['model']} ({report['dtype']}, {report['kernel']}), "
         f"max_num_seqs {report['max_num_seqs']}: "
         f"{report['steps_compared']} steps over {min(candidates)} rows, each run with "
-        f"MAX_ROWS = {', '.join(map(str, candidates))}"
+        f"{report['limit']} = {', '.join(map(str, candidates))}"
     )
     for c, seconds in report["forward_s"].items():
         print(f"  MAX_ROWS {c:>5}: forwards {seconds:.2f} s")

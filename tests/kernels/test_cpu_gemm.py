@@ -1,77 +1,87 @@
-"""The AMX projection kernel for decode-sized row counts (kernels/cpu/cpu_gemm.c) against a float64
-matmul, and the dispatch that sends a step's GEMMs to it or to oneDNN by row count."""
+"""The bf16 projection kernel for decode-sized row counts (kernels/cpu/cpu_gemm.c), on each of its
+engines this CPU runs (AMX, AVX512-BF16), against a float64 matmul, and the dispatch that sends a
+step's GEMMs to it or to oneDNN by row count."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import cpu_has_amx
+from bf16_engines import force_bf16_engine
+from kernel_cases import cpu_flags, cpu_has_amx
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_elementwise, cpu_gemm, cpu_linear
 
 BF16 = torch.bfloat16
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+# A test so marked runs once per engine (the fixture skips one this CPU lacks, with the reason).
+each_engine = pytest.mark.usefixtures("bf16_gemm_engine")
 
 
-def _need_amx():
-    if not cpu_gemm.available():
-        pytest.skip("this CPU or build has no AMX (test_amx_where_the_cpu_has_it checks which)")
-
-
-def _bf16_exact(x, w, bias):
-    """x · wᵀ + bias in float64 (exact for bf16 products), rounded once to bf16."""
-    ref = x.double() @ w.double().T
+def _assert_one_rounding(got, x, w, bias=None):
+    """Every element is the bf16 rounding of the exact x · wᵀ + bias (float64: exact for bf16
+    products) or its neighbour, give or take float32 accumulation's error (2^-18 of the sum of
+    the terms' magnitudes, which summation in any order stays inside: a result near zero after
+    cancellation may land a rounding step away), and nearly all are the rounding itself: a
+    misplaced pair, column or row would be off by far more."""
+    exact = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
     if bias is not None:
-        ref += bias.double()
-    return ref
-
-
-def _assert_one_rounding(got, exact):
-    """Every element is the bf16 rounding of the exact value or its neighbour (float32
-    accumulation may land a value just across a rounding boundary), and nearly all are the
-    rounding itself: a misplaced pair, column or row would be off by far more."""
+        exact += bias.double()
+        magnitude += bias.double().abs()
     want = exact.to(BF16)
-    ulp = (want.float().abs() * 2.0**-7).clamp_min(2.0**-126)
-    assert ((got.float() - exact.float()).abs() <= ulp + 1e-6).all()
+    ulp = (want.double().abs() * 2.0**-7).clamp_min(2.0**-126)
+    assert ((got.double() - exact).abs() <= ulp + magnitude * 2.0**-18).all()
     assert (got == want).float().mean() > 0.97
 
 
-def test_amx_where_the_cpu_has_it():
-    """The kernel runs wherever the CPU has AMX-BF16, so the cases below cannot skip silently
-    on such a machine."""
-    assert cpu_gemm.available() == cpu_has_amx()
+def test_each_engine_runs_where_the_cpu_has_it():
+    """Each engine runs wherever the CPU has its instructions (AMX-BF16; AVX512-BF16), so the
+    cases below cannot skip silently on such a machine."""
+    assert cpu_gemm.amx_available() == cpu_has_amx()
+    assert cpu_gemm.vectors_available() == ("avx512_bf16" in cpu_flags())
+
+
+def test_the_forced_engine_is_the_one_that_runs(bf16_gemm_engine):
+    want = {"AMX": cpu_gemm.KERNEL_AMX, "AVX512-BF16": cpu_gemm.KERNEL_AVX512_BF16}
+    assert cpu_gemm.kernel() == want[bf16_gemm_engine]
+    assert cpu_gemm.max_rows() == (
+        cpu_gemm.MAX_ROWS if bf16_gemm_engine == "AMX" else cpu_gemm.VECTOR_MAX_ROWS
+    )
 
 
 # Rows: a lone decode, a ragged tile, exactly one and two A tiles, a ragged second panel, a
 # ragged third, one row past a row chunk (160 rows of A tiles at K 1536, 448 at K 576), and the
-# largest count dispatch sends here (several chunks, the last ragged). Shapes: the bundled
-# model's qkv, o, down; one pair of column tiles with the shortest K.
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 47, 65, 161, 449, cpu_gemm.MAX_ROWS])
+# largest count dispatch sends to AMX (several chunks, the last ragged); for the vector engine
+# every pass size (1, 2, 3-4, 5-6 rows) and several passes with each kind of remainder. Shapes:
+# the bundled model's qkv, o, down; one pair of column tiles with the shortest K.
+@each_engine
+@pytest.mark.parametrize(
+    "rows", [1, 2, 3, 5, 6, 16, 17, 32, 33, 47, 65, 161, 449, cpu_gemm.MAX_ROWS]
+)
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (576, 1536), (32, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_linear_is_the_rounded_exact_product(poison_allocations, rows, n, k, with_bias):
-    _need_amx()
+def test_linear_is_the_rounded_exact_product(poison_allocations, rows, n, k, with_bias):
     gen = torch.Generator().manual_seed(rows * 7919 + n + k)
     x = torch.randn(rows, k, generator=gen).to(BF16)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
     bias = torch.randn(n, generator=gen).to(BF16) if with_bias else None
     got = cpu_gemm.linear(x, cpu_gemm.pack(w), bias)
     assert got.dtype == BF16 and got.shape == (rows, n)
-    _assert_one_rounding(got, _bf16_exact(x, w, bias))
+    _assert_one_rounding(got, x, w, bias)
 
 
-def test_amx_linear_reads_strided_rows_and_writes_nothing_else():
+@each_engine
+def test_linear_reads_strided_rows_and_writes_nothing_else():
     """A view into a wider buffer (the q slice of a fused qkv output) is read at its stride."""
-    _need_amx()
     gen = torch.Generator().manual_seed(3)
     wide = torch.randn(20, 96, generator=gen).to(BF16)
     x = wide[:, 32:]
     w = torch.randn(64, 64, generator=gen).to(BF16)
-    _assert_one_rounding(cpu_gemm.linear(x, cpu_gemm.pack(w)), _bf16_exact(x, w, None))
+    _assert_one_rounding(cpu_gemm.linear(x, cpu_gemm.pack(w)), x, w)
 
 
-def test_amx_linear_rejects_a_mismatched_input():
-    _need_amx()
+@each_engine
+def test_linear_rejects_a_mismatched_input():
     packed = cpu_gemm.pack(torch.zeros(32, 64, dtype=BF16))
     with pytest.raises(
         ValueError, match=r"input \(4, 32\) torch.bfloat16 does not fit a bf16 weight of \[32, 64\]"
@@ -81,8 +91,8 @@ def test_amx_linear_rejects_a_mismatched_input():
         cpu_gemm.linear(torch.zeros(4, 64), packed)
 
 
-def test_amx_linear_of_no_rows_is_empty():
-    _need_amx()
+@each_engine
+def test_linear_of_no_rows_is_empty():
     packed = cpu_gemm.pack(torch.zeros(32, 64, dtype=BF16))
     assert cpu_gemm.linear(torch.zeros(0, 64, dtype=BF16), packed).shape == (0, 32)
 
@@ -96,12 +106,16 @@ def test_pack_places_each_pair_where_the_tile_reads_it():
         assert packed[nb, kt, r, 2 * c + p] == w[16 * nb + c, 32 * kt + 2 * r + p]
 
 
-@pytest.mark.parametrize("rows", [1, cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1, 300])
-def test_dispatch_sends_decode_rows_to_amx_and_the_rest_to_onednn(monkeypatch, rows):
-    """Up to MAX_ROWS rows run the AMX kernel; more run oneDNN. Both round the exact product
-    once (oneDNN's blocking, and so its summation order, changes with the row count: at 1025
-    rows its packed weight and F.linear's plain one need not agree to the bit)."""
-    _need_amx()
+# Row counts relative to the engine's limit (cpu_gemm.max_rows(), read once it is forced): one
+# row, the limit, one past it, and a prefill chunk past either limit.
+@each_engine
+@pytest.mark.parametrize("rows", [1, "limit", "limit + 1", 2000])
+def test_dispatch_sends_decode_rows_to_the_kernel_and_the_rest_to_onednn(monkeypatch, rows):
+    """Up to max_rows() rows run cpu_gemm; more run oneDNN. Both round the exact product once
+    (oneDNN's blocking, and so its summation order, changes with the row count: past the limit
+    its packed weight and F.linear's plain one need not agree to the bit)."""
+    limit = cpu_gemm.max_rows()
+    rows = {"limit": limit, "limit + 1": limit + 1}.get(rows, rows)
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(960, 576, generator=gen) * 0.05).to(BF16)
     x = torch.randn(2, rows, 576, generator=gen).to(BF16)[0]
@@ -111,8 +125,8 @@ def test_dispatch_sends_decode_rows_to_amx_and_the_rest_to_onednn(monkeypatch, r
     real = cpu_gemm.linear
     monkeypatch.setattr(cpu_gemm, "linear", lambda *a: calls.append(a) or real(*a))
     got = dispatch.linear(x, packed)
-    assert len(calls) == (1 if rows <= cpu_gemm.MAX_ROWS else 0)
-    _assert_one_rounding(got, _bf16_exact(x, w, None))
+    assert len(calls) == (1 if rows <= limit else 0)
+    _assert_one_rounding(got, x, w)
 
 
 @pytest.mark.skipif(not cpu_linear._packs_bf16(), reason="bf16 weights are not packed here")
@@ -125,28 +139,28 @@ def test_shapes_the_kernel_does_not_take_stay_on_onednn():
     assert torch.equal(dispatch.linear(x, packed), F.linear(x, w))
 
 
-def test_dispatch_gives_amx_strided_and_batched_inputs_their_shape():
+@each_engine
+def test_dispatch_gives_strided_and_batched_inputs_their_shape():
     """A [batch, tokens, in] input, or one whose columns are strided, comes back shaped like
     x with out_features last."""
-    _need_amx()
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(64, 64, generator=gen) * 0.05).to(BF16)
     packed = dispatch.prepack_linear_weight(w)
     batched = torch.randn(2, 3, 64, generator=gen).to(BF16)
     got = dispatch.linear(batched, packed)
     assert got.shape == (2, 3, 64)
-    _assert_one_rounding(got.reshape(6, 64), _bf16_exact(batched.reshape(6, 64), w, None))
+    _assert_one_rounding(got.reshape(6, 64), batched.reshape(6, 64), w)
     strided = torch.randn(5, 128, generator=gen).to(BF16)[:, ::2]
-    _assert_one_rounding(dispatch.linear(strided, packed), _bf16_exact(strided, w, None))
+    _assert_one_rounding(dispatch.linear(strided, packed), strided, w)
 
 
-@pytest.mark.parametrize("rows", [1, 17, 33, cpu_gemm.MAX_ROWS])
+@each_engine
+@pytest.mark.parametrize("rows", [1, 5, 17, 33, cpu_gemm.MAX_ROWS])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_rms_norm_linear_gives_the_two_calls_bits(rows, with_residual, with_bias):
     """Normalising rows while packing them is the RMSNorm kernel then the GEMM, to the bit:
     the same output and the same updated residual."""
-    _need_amx()
     gen = torch.Generator().manual_seed(rows + 2 * with_residual + with_bias)
     x = torch.randn(rows, 576, generator=gen).to(BF16)
     norm_w = (1 + 0.1 * torch.randn(576, generator=gen)).to(BF16)
@@ -164,9 +178,10 @@ def test_rms_norm_linear_gives_the_two_calls_bits(rows, with_residual, with_bias
         assert got_res is res_a  # updated in place, as cpu_elementwise.rms_norm does
 
 
-@pytest.mark.parametrize("rows", [cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1])
-def test_dispatch_fuses_the_norm_only_where_the_amx_gemm_runs(monkeypatch, rows):
-    _need_amx()
+@each_engine
+@pytest.mark.parametrize("past_limit", [False, True])
+def test_dispatch_fuses_the_norm_only_where_the_kernel_runs(monkeypatch, past_limit):
+    rows = cpu_gemm.max_rows() + past_limit
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).to(BF16)
     norm_w = torch.ones(576).to(BF16)
@@ -179,14 +194,15 @@ def test_dispatch_fuses_the_norm_only_where_the_amx_gemm_runs(monkeypatch, rows)
     got, got_res = dispatch.rms_norm_linear(x, norm_w, 1e-5, residual.clone(), packed)
     normed, want_res = dispatch.rms_norm(x, norm_w, 1e-5, residual.clone())
     assert torch.equal(got, dispatch.linear(normed, packed)) and torch.equal(got_res, want_res)
-    assert len(fused) == (1 if rows <= cpu_gemm.MAX_ROWS else 0)
+    assert len(fused) == (0 if past_limit else 1)
 
 
-@pytest.mark.parametrize("rows", [1, 17, 33, cpu_gemm.MAX_ROWS])
+@each_engine
+@pytest.mark.parametrize("rows", [1, 5, 17, 33, cpu_gemm.MAX_ROWS])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_silu_and_mul_linear_gives_the_two_calls_bits(rows, with_bias):
-    """Gating rows while packing them is the silu-and-mul kernel then the GEMM, to the bit."""
-    _need_amx()
+    """Gating rows on their way into the GEMM is the silu-and-mul kernel then the GEMM, to the
+    bit."""
     gen = torch.Generator().manual_seed(100 + rows + with_bias)
     gate_up = (torch.randn(2, rows, 2 * 1536, generator=gen) * 3).to(BF16)[1]  # any row stride
     w = (torch.randn(576, 1536, generator=gen) * 0.05).to(BF16)
@@ -197,9 +213,10 @@ def test_silu_and_mul_linear_gives_the_two_calls_bits(rows, with_bias):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("rows", [cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1])
-def test_dispatch_fuses_the_gate_only_where_the_amx_gemm_runs(monkeypatch, rows):
-    _need_amx()
+@each_engine
+@pytest.mark.parametrize("past_limit", [False, True])
+def test_dispatch_fuses_the_gate_only_where_the_kernel_runs(monkeypatch, past_limit):
+    rows = cpu_gemm.max_rows() + past_limit
     gen = torch.Generator().manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(BF16)
     packed = dispatch.prepack_linear_weight((torch.randn(576, 1536, generator=gen) * 0.05).to(BF16))
@@ -208,4 +225,17 @@ def test_dispatch_fuses_the_gate_only_where_the_amx_gemm_runs(monkeypatch, rows)
     monkeypatch.setattr(cpu_gemm, "silu_and_mul_linear", lambda *a: fused.append(a) or real(*a))
     got = dispatch.silu_and_mul_linear(gate_up, packed)
     assert torch.equal(got, dispatch.linear(dispatch.silu_and_mul(gate_up), packed))
-    assert len(fused) == (1 if rows <= cpu_gemm.MAX_ROWS else 0)
+    assert len(fused) == (0 if past_limit else 1)
+
+
+def test_vector_engine_gives_a_row_one_result_whatever_else_is_in_the_batch(monkeypatch):
+    """The AVX512-BF16 engine sums a row in the same order at any row count it takes, so a
+    sequence's logits do not depend on the batch beside it."""
+    force_bf16_engine(monkeypatch, "AVX512-BF16")
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(960, 576, generator=gen) * 0.05).to(BF16)
+    packed = cpu_gemm.pack(w)
+    batch = torch.randn(cpu_gemm.max_rows(), 576, generator=gen).to(BF16)
+    whole = cpu_gemm.linear(batch, packed)
+    for rows in (1, 2, 3, 7, cpu_gemm.max_rows()):
+        assert torch.equal(cpu_gemm.linear(batch[:rows], packed), whole[:rows])

@@ -18,8 +18,8 @@ packs_bf16 = pytest.mark.skipif(
 )
 
 
-# Rows as a step sees them that oneDNN runs (fewer go to the AMX kernel where the CPU has one,
-# tested in test_cpu_gemm.py): one decode, an odd batch, a decode batch, a prefill chunk.
+# Rows as a step sees them that oneDNN runs (fewer go to cpu_gemm where the CPU has AMX or
+# AVX512-BF16, tested in test_cpu_gemm.py): one decode, an odd batch, a decode batch, a prefill chunk.
 @packs_bf16
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64)])
@@ -27,7 +27,8 @@ packs_bf16 = pytest.mark.skipif(
 def test_packed_linear_gives_f_linear_numbers(
     monkeypatch, rows, out_features, in_features, with_bias
 ):
-    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)  # every row count on oneDNN
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)  # every row count on oneDNN, whichever engine
+    monkeypatch.setattr(cpu_gemm, "VECTOR_MAX_ROWS", 0)
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen).to(BF16)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(BF16)
@@ -41,7 +42,7 @@ def test_packed_linear_gives_f_linear_numbers(
 
 @packs_bf16
 def test_packed_linear_takes_strided_and_batched_inputs():
-    # 48 output features: no AMX tiles (test_cpu_gemm.py covers that path's shapes), oneDNN.
+    # 48 output features: no tiles (test_cpu_gemm.py covers cpu_gemm's shapes), oneDNN.
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 64, generator=gen).to(BF16)
     packed = dispatch.prepack_linear_weight(w)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from kvfleet.kernels import dispatch
 from kvfleet.kernels.bench import cpu_kernels
 from kvfleet.kernels.cpu import (
     cpu_attention,
@@ -110,6 +111,7 @@ def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module,
     for shapes in ("F32_PREFILL_SHAPES", "PREFILL_SHAPES"):
         monkeypatch.setattr(cpu_kernels, shapes, ())
     monkeypatch.setattr(cpu_kernels, "F32_GEMM_ROWS", (7,))
+    monkeypatch.setattr(cpu_kernels, "GEMM_ROWS", ())  # bf16's would trip over a broken norm too
     monkeypatch.setattr(cpu_kernels, "F32_ELEMENTWISE_ROWS", (5,))
     monkeypatch.setattr(cpu_kernels, "GEMM_LAYERS", 1)
     monkeypatch.setattr(cpu_kernels, "DECODE_LAYERS", 1)
@@ -123,26 +125,28 @@ def test_rejects_zero_iterations(capsys):
     assert "--iters must be >= 1" in capsys.readouterr().err
 
 
-def test_gemm_row_times_onednn_and_the_amx_kernel_on_a_steps_weights():
+def test_gemm_row_times_onednn_and_cpu_gemm_on_a_steps_weights():
     plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
     assert [tuple(w.shape) for w in plain] == [(960, 576), (576, 576), (3072, 576), (576, 1536),
                                               (49152, 576)]  # fmt: skip
-    row = cpu_kernels.gemm_row(torch, 32, plain, packed, iters=1)
-    assert row.rows == 32 and row.onednn_ms > 0
+    row = cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)
+    assert row.rows == 16 and row.onednn_ms > 0
     assert row.weight_mb == pytest.approx(sum(w.numel() for w in plain) * 2 / 1e6)
     if cpu_gemm.available():
-        assert row.amx_ms > 0 and row.amx_speedup == pytest.approx(row.onednn_ms / row.amx_ms)
+        assert row.kernel == dispatch.linear_path(packed[0], 1)  # the engine that ran, named
+        assert row.kernel_ms > 0
+        assert row.kernel_speedup == pytest.approx(row.onednn_ms / row.kernel_ms)
         assert row.separate_ops_ms > 0 and row.fused_ops_ms > 0
     else:
-        assert row.amx_ms is None and row.fused_ops_ms is None
-    # Past MAX_ROWS the model makes the separate calls either way: nothing to compare.
-    big = cpu_kernels.gemm_row(torch, cpu_gemm.MAX_ROWS + 1, plain, packed, iters=1)
+        assert row.kernel is None and row.kernel_ms is None and row.fused_ops_ms is None
+    # Past the engine's limit the model makes the separate calls either way: nothing to compare.
+    big = cpu_kernels.gemm_row(torch, max(cpu_gemm.max_rows(), 1) + 1, plain, packed, iters=1)
     assert big.separate_ops_ms is None and big.fused_ops_ms is None
 
 
 def test_fused_ops_that_change_the_bits_fail_the_benchmark(monkeypatch):
     if not cpu_gemm.available():
-        pytest.skip("no AMX: the fused prologues are not timed on this CPU")
+        pytest.skip("no AMX or AVX512-BF16: the fused prologues are not timed on this CPU")
     plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
     real = cpu_gemm.silu_and_mul_linear
     monkeypatch.setattr(cpu_gemm, "silu_and_mul_linear", lambda x, t, b=None: real(x, t, b) * 2)
@@ -152,7 +156,7 @@ def test_fused_ops_that_change_the_bits_fail_the_benchmark(monkeypatch):
 
 def test_a_wrong_projection_kernel_fails_the_benchmark(monkeypatch):
     if not cpu_gemm.available():
-        pytest.skip("no AMX: the projection kernel is not timed on this CPU")
+        pytest.skip("no AMX or AVX512-BF16: the projection kernel is not timed on this CPU")
     plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
 
     def zeros(x, tiles, bias=None):

@@ -1,6 +1,6 @@
 """`kvfleet bench gemm-rows` runs each large enough step's forward once per candidate hand-over
-point, in rotating order, keeps the last run's output, and reports the pairs, in bf16 (the AMX
-kernel) or float32 (the AVX-512 one); bad flags are refused by name."""
+point, in rotating order, keeps the last run's output, and reports the pairs, in bf16 (cpu_gemm,
+on whichever engine runs) or float32 (the AVX-512 one); bad flags are refused by name."""
 
 from __future__ import annotations
 
@@ -64,30 +64,39 @@ def test_refuses_one_candidate_by_name(tiny_llama_dir: Path, capsys):
     assert "--candidates" in capsys.readouterr().err
 
 
-def test_a_run_on_a_tiny_model_reports_every_step(tiny_llama_dir: Path, tmp_path: Path, capsys):
-    if not cpu_gemm.available():
-        pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
-    out, default = tmp_path / "rows.json", cpu_gemm.MAX_ROWS
+def test_a_run_on_a_tiny_model_reports_every_step(
+    bf16_gemm_engine, tiny_llama_dir: Path, tmp_path: Path, capsys
+):
+    limit = "MAX_ROWS" if bf16_gemm_engine == "AMX" else "VECTOR_MAX_ROWS"
+    out, default = tmp_path / "rows.json", getattr(cpu_gemm, limit)
     argv = ["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--dtype", "bfloat16"]
     argv += ["--num-prompts", "3", "--max-model-len", "1024", "--candidates", "0,4096"]
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["candidates"] == [0, 4096] and report["num_prompts"] == 3
+    assert report["limit"] == limit
     assert report["steps_compared"] > 3  # every step has more than 0 rows
     assert all(t > 0 for t in report["forward_s"].values())
     ratios = report["ratios"]["4096"]
     assert ratios["all"]["steps"] == report["steps_compared"]
     assert sum(b["steps"] for b in ratios["by_rows"]) == report["steps_compared"]
     assert "median" in capsys.readouterr().out
-    assert default == cpu_gemm.MAX_ROWS  # put back
+    assert default == getattr(cpu_gemm, limit)  # put back
 
 
-def test_pairs_set_the_kernel_module_they_are_given():
+def test_pairs_set_the_kernel_module_and_limit_they_are_given():
     seen: list[int] = []
     default = cpu_gemm_f32.MAX_ROWS
     paired = PairedForward(lambda ids: seen.append(cpu_gemm_f32.MAX_ROWS), [3, 48], cpu_gemm_f32)
     paired(torch.zeros(20))
     assert seen == [3, 48] and default == cpu_gemm_f32.MAX_ROWS
+    seen.clear()
+    default = cpu_gemm.VECTOR_MAX_ROWS
+    paired = PairedForward(
+        lambda ids: seen.append(cpu_gemm.VECTOR_MAX_ROWS), [0, 16], cpu_gemm, "VECTOR_MAX_ROWS"
+    )
+    paired(torch.zeros(20))
+    assert seen == [0, 16] and default == cpu_gemm.VECTOR_MAX_ROWS
 
 
 def test_refuses_a_dtype_with_nothing_to_route(tiny_llama_dir: Path, capsys):

@@ -1,7 +1,8 @@
 """The fused decode step (kernels/cpu/cpu_decode_step.c: the whole decoder stack in one C call)
 gives the per-op layer loop's results to the bit, writes the same cache bytes, and is taken
-exactly for the steps it can run: decode-only steps of a bf16 model prepacked for the AMX GEMM,
-or of a float32 model with as many sequences as the per-op path runs on the float32 GEMM kernel."""
+exactly for the steps it can run: decode-only steps of a bf16 model prepacked for cpu_gemm (on
+each of its engines, AMX and AVX512-BF16, that this CPU runs), or of a float32 model with as
+many sequences as the per-op path runs on the float32 GEMM kernel."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def _kernels_on(monkeypatch):
     monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
 
 
-def _need_amx() -> None:
-    if not cpu_gemm.available():
-        pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
+def _limit_rows(monkeypatch, engine: str, rows: int) -> None:
+    """Make `engine`'s row limit `rows`: past it the per-op path takes oneDNN."""
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS" if engine == "AMX" else "VECTOR_MAX_ROWS", rows)
 
 
 def _need_avx512() -> None:
@@ -135,12 +136,12 @@ def _count_fused_steps(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-d64"])  # untied; biases; AMX attention
-# One row, one ragged tile, and several 32-row panels with a ragged last one.
+# One row; a ragged tile (AMX) or a pass of 6 and one of 1 (vectors); several 32-row panels with
+# a ragged last one (AMX) or many passes with a ragged last one (vectors).
 @pytest.mark.parametrize("num_seqs", [1, 7, 105])
 def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
-    arch, num_seqs, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_d64, monkeypatch
+    arch, num_seqs, bf16_gemm_engine, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_d64, monkeypatch
 ):
-    _need_amx()
     folder = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama-d64": tiny_llama_d64}[arch]
     net = _prepacked(folder)
     lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
@@ -159,8 +160,9 @@ def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
 
 
 @pytest.mark.parametrize("block_size", [8, 32])  # 8: attention off the AMX path (16s only)
-def test_fused_decode_steps_match_at_other_block_sizes(block_size, tiny_llama_d64, monkeypatch):
-    _need_amx()
+def test_fused_decode_steps_match_at_other_block_sizes(
+    block_size, bf16_gemm_engine, tiny_llama_d64, monkeypatch
+):
     net = _prepacked(tiny_llama_d64)
     fused = Decoder(net, [3, 40, 17, 64], block_size=block_size)
     per_op = fused.fork()
@@ -173,9 +175,8 @@ def test_fused_decode_steps_match_at_other_block_sizes(block_size, tiny_llama_d6
     assert calls == [4, 4]
 
 
-def test_steps_it_cannot_run_keep_the_per_op_loop(tiny_llama_dir, monkeypatch):
+def test_steps_it_cannot_run_keep_the_per_op_loop(bf16_gemm_engine, tiny_llama_dir, monkeypatch):
     """Prefill and mixed steps, and decode steps past the fused call's row limit, go op by op."""
-    _need_amx()
     net = _prepacked(tiny_llama_dir)
     calls = _count_fused_steps(monkeypatch)
     run = Decoder(net, [5, 9, 3])  # the prefill step
@@ -183,7 +184,7 @@ def test_steps_it_cannot_run_keep_the_per_op_loop(tiny_llama_dir, monkeypatch):
     assert calls == []
     run.decode()
     assert calls == [3]
-    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 2)  # past it the per-op path takes oneDNN
+    _limit_rows(monkeypatch, bf16_gemm_engine, 2)
     run.decode()
     assert calls == [3]
 
@@ -210,7 +211,8 @@ def test_no_fused_step_without_prepacked_bf16_weights_or_head_major_caches(tiny_
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_bad_position_or_slot_raises_and_writes_no_cache(dtype, tiny_llama_dir, monkeypatch):
     if dtype == "bfloat16":
-        _need_amx()
+        if not cpu_gemm.available():
+            pytest.skip("no bf16 GEMM engine here (tests/kernels/test_cpu_gemm.py says which)")
         net = _prepacked(tiny_llama_dir)
     else:
         _need_avx512()
@@ -235,8 +237,7 @@ def test_bad_position_or_slot_raises_and_writes_no_cache(dtype, tiny_llama_dir, 
         monkeypatch.undo()
 
 
-def test_hidden_states_of_the_wrong_shape_or_dtype_are_refused(tiny_llama_dir):
-    _need_amx()
+def test_hidden_states_of_the_wrong_shape_or_dtype_are_refused(bf16_gemm_engine, tiny_llama_dir):
     net = _prepacked(tiny_llama_dir)
     run = Decoder(net, [4, 6])
     stack = net.decode_stack_for(run.kv)

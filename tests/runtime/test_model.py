@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bf16_engines import force_bf16_engine
 from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.models.llama import LlamaModel
@@ -201,18 +202,19 @@ def test_bfloat16_forward_is_close_to_float32(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not cpu_linear._packs_bf16(), reason="no native oneDNN bf16 GEMM here")
-@pytest.mark.parametrize("gemm", ["onednn", "amx"])
+@pytest.mark.parametrize("gemm", ["onednn", "AMX", "AVX512-BF16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied; tied with q/k/v biases
 def test_prepacked_bfloat16_model_gives_the_same_logits(
     arch: str, gemm: str, tiny_llama_dir: Path, tiny_qwen2_dir: Path, monkeypatch
 ) -> None:
-    """oneDNN on its prepacked weight computes F.linear's numbers to the bit. The AMX kernel
-    (decode-sized steps) sums in another order: the same logits up to bf16 rounding."""
+    """oneDNN on its prepacked weight computes F.linear's numbers to the bit. cpu_gemm's engines
+    (decode-sized steps) sum in another order: the same logits up to bf16 rounding."""
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
     if gemm == "onednn":
         monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)
-    elif not cpu_gemm.available():
-        pytest.skip("no AMX here (tests/kernels/test_cpu_gemm.py asserts where there must be)")
+        monkeypatch.setattr(cpu_gemm, "VECTOR_MAX_ROWS", 0)
+    else:
+        force_bf16_engine(monkeypatch, gemm)
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     plain, cfg, _ = load_model(str(folder), torch.bfloat16, "cpu")
     packed, _, _ = load_model(str(folder), torch.bfloat16, "cpu")

@@ -1,0 +1,518 @@
+"""`kvfleet bench latency`: how fast one request (or a few) is served, against the bounds the
+machine sets, measured in the same run.
+
+- Decode: a batch of 1, 4 and 8 sequences decoding together through the engine (scheduler,
+  forward, sampling, detokenizing: everything but HTTP); the median step time in steady state
+  is the time per output token of each sequence. Its bound is the weights one step must stream
+  (every layer's projections and norms, the LM head) divided by the memory read rate this
+  command measures (a large float32 sum).
+- Time to first token of a prompt alone (128, 512 and 2048 tokens), against its compute bound:
+  the prompt's FLOPs (projections, causal attention, one row of logits) divided by the GEMM
+  rate this command measures (the same one MFU divides by in `bench throughput`).
+
+Rates are measured at both ends of the run and the higher one counts, so a bound is never
+flattered by a slow phase of a shared host. Every figure names the kernel path that produced it
+(AMX, AVX512-BF16, AVX-512 float32, AVX2 or torch) and whether decode steps ran the fused
+one-call step; the host's CPU flags are reported with them.
+
+`--baseline library` also runs every batch size and prompt with kvfleet's own GEMMs switched
+off (every projection on torch's oneDNN or MKL, and so op by op, no fused step), taking turns
+with the default path: what those kernels gain, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+
+DEFAULT_SEQUENCES = "1,4,8"
+DEFAULT_PROMPTS = "128,512,2048"
+READ_PROBE_BYTES = 512 * 1024**2  # far past any last-level cache
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "latency",
+        help="time per output token at 1/4/8 sequences and TTFT, against the machine's bounds",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--sequences",
+        default=DEFAULT_SEQUENCES,
+        help=f"decode batch sizes, comma-separated (default {DEFAULT_SEQUENCES})",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=128,
+        help="prompt tokens of each decoding sequence (default 128)",
+    )
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=4,
+        help="decode steps run before timing, per batch size (default 4)",
+    )
+    p.add_argument(
+        "--prompts",
+        default=DEFAULT_PROMPTS,
+        help=f"prompt lengths whose TTFT is timed, comma-separated (default {DEFAULT_PROMPTS})",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed prompts per length (default 3)")
+    p.add_argument(
+        "--baseline",
+        choices=("none", "library"),
+        default="none",
+        help="library: also time each row with kvfleet's GEMMs off (torch's oneDNN/MKL, op by "
+        "op), in turns with the default path",
+    )
+    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class DecodeRow:
+    sequences: int
+    context_tokens: int
+    steps: int  # timed steady-state steps
+    step_median_ms: float  # = time per output token of each sequence
+    step_min_ms: float
+    # Where a step's time went (medians): the model's layers and final norm, the LM head, and
+    # everything else (scheduling, input tensors, sampling, detokenizing).
+    forward_median_ms: float
+    logits_median_ms: float
+    other_median_ms: float
+    bound_ms: float  # weight bytes / read rate
+    ratio_to_bound: float
+    over_one_sequence: float | None  # this step's median / the 1-sequence step's
+    gemm_path: str  # the kernel running the step's projections
+    fused_steps: int  # timed steps that ran the fused one-call decode step
+    # With --baseline library: the same batch with kvfleet's GEMMs off (step_median_ms,
+    # step_min_ms, gemm_path, fused_steps) and this row's speedup over it (median over median).
+    baseline: dict | None = None
+    speedup_over_baseline: float | None = None
+
+
+@dataclass(slots=True)
+class TtftRow:
+    prompt_tokens: int
+    repeats: int
+    ttft_median_ms: float
+    ttft_min_ms: float
+    prefill_gflop: float
+    bound_ms: float  # prefill FLOPs / GEMM rate
+    ratio_to_bound: float
+    gemm_path: str  # the kernel running the prompt's projections (its largest step)
+    baseline: dict | None = None  # as DecodeRow's: ttft_median_ms, ttft_min_ms, gemm_path
+    speedup_over_baseline: float | None = None
+
+
+@dataclass(slots=True)
+class _StepTimes:
+    """Per-step wall times the wrapped engine parts record."""
+
+    forward: list[float] = field(default_factory=list)
+    logits: list[float] = field(default_factory=list)
+    fused: int = 0
+
+
+def _parse_counts(flag: str, text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"{flag}: comma-separated counts of at least 1, got {text!r}")
+    return counts
+
+
+def decode_weight_bytes(mc: Any, elem_size: int) -> int:
+    """Bytes of weights one decode step reads: all of them but an untied input embedding table
+    (of which a step reads one row per sequence)."""
+    params = mc.num_parameters()
+    if not mc.tie_word_embeddings:
+        params -= mc.vocab_size * mc.hidden_size
+    return params * elem_size
+
+
+def prefill_flops(mc: Any, tokens: int) -> int:
+    """Multiply-adds x 2 of a prompt of `tokens` tokens alone: every projection per token,
+    causal attention (QK^T and PV over the positions each token sees), and the logits of the
+    last token only (the engine computes no others)."""
+    h, d = mc.hidden_size, mc.head_dim
+    per_token = (
+        h * (mc.num_heads + 2 * mc.num_kv_heads) * d
+        + mc.num_heads * d * h
+        + 3 * h * mc.intermediate_size
+    )
+    attended = tokens * (tokens + 1) // 2
+    attention = 2 * mc.num_heads * d * attended  # QK^T and PV, one multiply-add each
+    return 2 * (mc.num_layers * (per_token * tokens + attention) + mc.vocab_size * h)
+
+
+def measure_read_rate(device: Any, nbytes: int = READ_PROBE_BYTES, repeats: int = 5) -> float:
+    """Best bytes/s of a float32 sum over `nbytes`: the rate weights can stream from memory."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass also faults the pages in
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+class _Probe:
+    """Wraps the model's forward and LM head, and the fused decode step, of one engine to time
+    each step's parts; `close` puts them back."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.times = engine, _StepTimes()
+        model = engine.model
+        self._forward, self._logits = model.forward, model.compute_logits
+        self._stack = model.decode_stack_for(engine.runner.kv_caches)
+        times = self.times
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = self._forward(*args, **kwargs)
+            times.forward.append(time.perf_counter() - t)
+            return out
+
+        def logits(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = self._logits(*args, **kwargs)
+            times.logits.append(time.perf_counter() - t)
+            return out
+
+        model.forward, model.compute_logits = forward, logits
+        if self._stack is not None:
+            self._run = self._stack.run
+
+            def fused_run(*args: Any) -> Any:
+                times.fused += 1
+                return self._run(*args)
+
+            self._stack.run = fused_run
+
+    def reset(self) -> None:
+        self.times.forward.clear()
+        self.times.logits.clear()
+        self.times.fused = 0
+
+    def close(self) -> None:
+        model = self.engine.model
+        del model.forward, model.compute_logits  # the class's methods again
+        if self._stack is not None:
+            del self._stack.run
+
+
+@contextlib.contextmanager
+def library_gemms() -> Iterator[None]:
+    """kvfleet's own GEMMs off for the block: every projection on torch (oneDNN or MKL), which
+    also keeps decode steps off the fused call (it runs only where the per-op path's GEMMs are
+    kvfleet's)."""
+    from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
+
+    limits = [(cpu_gemm, "MAX_ROWS"), (cpu_gemm, "VECTOR_MAX_ROWS"), (cpu_gemm_f32, "MAX_ROWS")]
+    saved = [getattr(module, name) for module, name in limits]
+    try:
+        for module, name in limits:
+            setattr(module, name, 0)
+        yield
+    finally:
+        for (module, name), value in zip(limits, saved, strict=True):
+            setattr(module, name, value)
+
+
+def _prompt(rng: Any, pool: Any, tokens: int) -> list[int]:
+    return rng.choice(pool, size=tokens).tolist()
+
+
+def _token_pool(engine: Any) -> Any:
+    import numpy as np
+
+    special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    return np.array([t for t in range(vocab) if t not in special], dtype=np.int64)
+
+
+def _projection_weight(engine: Any) -> Any:
+    """The first layer's qkv weight as the model holds it (plain or prepacked)."""
+    return engine.model.layers[0].qkv_proj
+
+
+def measure_decode(engine: Any, n: int, context: int, steps: int, warmup: int, rng, pool) -> dict:
+    """Median step time of `n` sequences decoding together, after `warmup` decode steps."""
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
+
+    engine.kv.reset_prefix_cache()
+    params = SamplingParams(max_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"latency-decode-{n}-{i}", _prompt(rng, pool, context), params)
+    probe = _Probe(engine)
+    sched = engine.scheduler
+    walls: list[float] = []
+    parts: list[tuple[float, float]] = []
+    fused = 0
+    try:
+        while engine.has_unfinished_requests():
+            # A decode-only step of all n: nothing waiting, every running sequence one token
+            # short of its length (its prompt done).
+            decoding = sched.num_waiting == 0 and len(sched.running) == n
+            decoding = decoding and all(
+                r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
+            )
+            probe.reset()
+            t = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t
+            if decoding:
+                walls.append(wall)
+                parts.append((sum(probe.times.forward), sum(probe.times.logits)))
+                fused += probe.times.fused if len(walls) > warmup else 0
+    finally:
+        probe.close()
+    timed, timed_parts = walls[warmup:], parts[warmup:]
+    if not timed:
+        raise RuntimeError(f"no steady decode steps at {n} sequences (raise --decode-steps)")
+    forward = statistics.median(p[0] for p in timed_parts)
+    logits = statistics.median(p[1] for p in timed_parts)
+    median = statistics.median(timed)
+    return {
+        "steps": len(timed),
+        "step_median_ms": median * 1e3,
+        "step_min_ms": min(timed) * 1e3,
+        "forward_median_ms": forward * 1e3,
+        "logits_median_ms": logits * 1e3,
+        "other_median_ms": statistics.median(
+            w - f - g for w, (f, g) in zip(timed, timed_parts, strict=True)
+        )
+        * 1e3,
+        "fused_steps": fused,
+    }
+
+
+def measure_ttft(engine: Any, tokens: int, repeats: int, rng, pool) -> list[float]:
+    """Seconds from adding a prompt of `tokens` tokens to its first token, the engine otherwise
+    idle, `repeats` times (fresh prompts: no prefix-cache hits)."""
+    from kvfleet.runtime.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out = []
+    for i in range(repeats):
+        engine.kv.reset_prefix_cache()
+        prompt = _prompt(rng, pool, tokens)
+        t = time.perf_counter()
+        engine.add_request(f"latency-ttft-{tokens}-{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+    from kvfleet.kernels import dispatch
+    from kvfleet.kernels.cpu import cpu_features
+    from kvfleet.runtime.bench.throughput import _device_name, measure_matmul_flops
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+
+    sequences = _parse_counts("--sequences", args.sequences)
+    prompts = _parse_counts("--prompts", args.prompts)
+    if min(args.context, args.decode_steps, args.repeats) < 1 or args.warmup_steps < 0:
+        raise ValueError("--context, --decode-steps and --repeats: at least 1; --warmup-steps: 0+")
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)
+    longest = max(max(prompts) + 1, args.context + args.warmup_steps + args.decode_steps + 1)
+    if longest > engine.max_model_len:
+        raise ValueError(
+            f"--prompts/--context: {longest} tokens exceed max_model_len {engine.max_model_len}"
+        )
+    mc, device = engine.model_config, engine.device
+    elem = torch.empty((), dtype=engine.dtype).element_size()
+    weight_bytes = decode_weight_bytes(mc, elem)
+    print(
+        f"device {engine.device}, dtype {engine.dtype}, threads {torch.get_num_threads()}",
+        file=sys.stderr,
+    )
+    read_first = measure_read_rate(device)
+    gemm_first = measure_matmul_flops(engine.dtype, device)
+    engine.warm_up()
+    rng = np.random.default_rng(config.seed)
+    pool = _token_pool(engine)
+    weight = _projection_weight(engine)
+    max_batched = engine.scheduler.config.max_num_batched_tokens
+
+    with_baseline = args.baseline == "library"
+
+    def decode(n: int) -> dict:
+        return measure_decode(
+            engine, n, args.context, args.decode_steps, args.warmup_steps, rng, pool
+        )
+
+    # Default path and baseline take turns per batch size and per prompt: each comparison is
+    # made within seconds on a host whose speed drifts over minutes.
+    decode_raw, decode_base = [], {}
+    for n in sequences:
+        decode_raw.append((n, decode(n)))
+        if with_baseline:
+            with library_gemms():
+                decode_base[n] = {**decode(n), "gemm_path": dispatch.linear_path(weight, n)}
+    ttft_raw, ttft_base = [], {}
+    for t in prompts:
+        times, base = [], []
+        for _ in range(args.repeats):
+            times += measure_ttft(engine, t, 1, rng, pool)
+            if with_baseline:
+                with library_gemms():
+                    base += measure_ttft(engine, t, 1, rng, pool)
+        ttft_raw.append((t, times))
+        if with_baseline:
+            with library_gemms():
+                path = dispatch.linear_path(weight, min(t, max_batched))
+            ttft_base[t] = {
+                "ttft_median_ms": statistics.median(base) * 1e3,
+                "ttft_min_ms": min(base) * 1e3,
+                "gemm_path": path,
+            }
+
+    read_last = measure_read_rate(device)
+    gemm_last = measure_matmul_flops(engine.dtype, device)
+    read_rate, gemm_rate = max(read_first, read_last), max(gemm_first, gemm_last)
+    bound_ms = weight_bytes / read_rate * 1e3
+
+    one = next((r["step_median_ms"] for n, r in decode_raw if n == 1), None)
+    decode = []
+    for n, r in decode_raw:
+        base = decode_base.get(n)
+        keep = ("step_median_ms", "step_min_ms", "gemm_path", "fused_steps")
+        decode.append(
+            DecodeRow(
+                sequences=n,
+                context_tokens=args.context,
+                bound_ms=bound_ms,
+                ratio_to_bound=r["step_median_ms"] / bound_ms,
+                over_one_sequence=r["step_median_ms"] / one if one else None,
+                gemm_path=dispatch.linear_path(weight, n),
+                baseline={k: base[k] for k in keep} if base else None,
+                speedup_over_baseline=base["step_median_ms"] / r["step_median_ms"]
+                if base
+                else None,
+                **r,
+            )
+        )
+    ttft = []
+    for tokens, times in ttft_raw:
+        flops = prefill_flops(mc, tokens)
+        median = statistics.median(times)
+        ttft.append(
+            TtftRow(
+                prompt_tokens=tokens,
+                repeats=len(times),
+                ttft_median_ms=median * 1e3,
+                ttft_min_ms=min(times) * 1e3,
+                prefill_gflop=flops / 1e9,
+                bound_ms=flops / gemm_rate * 1e3,
+                ratio_to_bound=median / (flops / gemm_rate),
+                gemm_path=dispatch.linear_path(weight, min(tokens, max_batched)),
+                baseline=ttft_base.get(tokens),
+                speedup_over_baseline=ttft_base[tokens]["ttft_median_ms"] / (median * 1e3)
+                if tokens in ttft_base
+                else None,
+            )
+        )
+    single = next((row for row in decode if row.sequences == 1), None)
+    return {
+        "model": config.model,
+        "device": _device_name(device),
+        "cpu_flags": cpu_features.kernel_flags() if device.type == "cpu" else [],
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "kernel_path": dispatch.linear_path(weight, 1),
+        "baseline": args.baseline,
+        "weight_bytes": weight_bytes,
+        "read_rate_bytes_per_s": read_rate,
+        "read_rate_first_last": [read_first, read_last],
+        "weight_stream_bound_ms": bound_ms,
+        "gemm_flops_per_s": gemm_rate,
+        "gemm_flops_first_last": [gemm_first, gemm_last],
+        "single_stream_ratio": single.ratio_to_bound if single else None,
+        "decode": [asdict(r) for r in decode],
+        "ttft": [asdict(r) for r in ttft],
+    }
+
+
+def _print(report: dict) -> None:
+    flags = " ".join(report["cpu_flags"]) or "-"
+    print(
+        f"model {report['model']} ({report['dtype']}), {report['device']}, "
+        f"{report['threads']} threads, flags: {flags}"
+    )
+    print(
+        f"weights {report['weight_bytes'] / 1e6:.1f} MB at {report['read_rate_bytes_per_s'] / 1e9:.1f}"
+        f" GB/s: bound {report['weight_stream_bound_ms']:.2f} ms/step; GEMM rate "
+        f"{report['gemm_flops_per_s'] / 1e12:.3f} TFLOP/s"
+    )
+    print(
+        f"{'seqs':>5} {'ms/token':>9} {'min':>7} {'forward':>8} {'logits':>7} {'other':>6} "
+        f"{'x bound':>8} {'x 1 seq':>8} {'fused':>6}  path"
+    )
+    for r in report["decode"]:
+        over = f"{r['over_one_sequence']:.2f}" if r["over_one_sequence"] else "-"
+        print(
+            f"{r['sequences']:>5} {r['step_median_ms']:>9.2f} {r['step_min_ms']:>7.2f} "
+            f"{r['forward_median_ms']:>8.2f} {r['logits_median_ms']:>7.2f} "
+            f"{r['other_median_ms']:>6.2f} {r['ratio_to_bound']:>8.2f} {over:>8} "
+            f"{r['fused_steps']:>3}/{r['steps']:<3} {r['gemm_path']}"
+        )
+        if r["baseline"]:
+            b = r["baseline"]
+            print(
+                f"{'':>5} {b['step_median_ms']:>9.2f} {b['step_min_ms']:>7.2f}  baseline "
+                f"({b['gemm_path']}, fused {b['fused_steps']}/{r['steps']}): "
+                f"{r['speedup_over_baseline']:.2f}x"
+            )
+    print(f"{'prompt':>7} {'TTFT ms':>9} {'min':>8} {'bound':>8} {'x bound':>8}  path")
+    for r in report["ttft"]:
+        print(
+            f"{r['prompt_tokens']:>7} {r['ttft_median_ms']:>9.1f} {r['ttft_min_ms']:>8.1f} "
+            f"{r['bound_ms']:>8.1f} {r['ratio_to_bound']:>8.2f}  {r['gemm_path']}"
+        )
+        if r["baseline"]:
+            b = r["baseline"]
+            print(
+                f"{'':>7} {b['ttft_median_ms']:>9.1f} {b['ttft_min_ms']:>8.1f}  baseline "
+                f"({b['gemm_path']}): {r['speedup_over_baseline']:.2f}x"
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = measure(args)
+    except ValueError as exc:
+        print(f"kvfleet bench latency: {exc}", file=sys.stderr)
+        return 1
+    _print(report)
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
