@@ -424,10 +424,11 @@ class KubeletSim:
             log_tail=termination_message(log_path),
         )
         self._event(pod, "init-failed", f"{name} exit code {code}; log {log_path}")
-        await self._write_pod_status(pod)
+        # The event goes first: whoever sees the status (the operator, a test) then finds it.
         await self._post_event(
             pod, "BackOff", f"Back-off restarting failed container {name} in pod {pod.name}"
         )
+        await self._write_pod_status(pod)
 
     async def _env(
         self, pod: SimPod, container: Mapping[str, Any], mounts: list[tuple[str, Path]]
@@ -453,8 +454,8 @@ class KubeletSim:
             name = container["name"]
             pod.waiting = Waiting(name, "CreateContainerConfigError", str(exc))
             self._event(pod, "config-error", f"{name}: {exc}")
-            await self._write_pod_status(pod)
             await self._post_event(pod, "Failed", f"Error: {exc}")
+            await self._write_pod_status(pod)
             return None
 
     async def _start_main(self, pod: SimPod) -> None:
