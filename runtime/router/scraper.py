@@ -74,5 +74,7 @@ async def _scrape(
     finally:
         r = pool.get(url)
         if r is not None and r.healthy != was_healthy:
-            state = "up" if r.healthy else f"down: {r.error}"
-            log.warning("replica %s is %s", url, state)
+            if r.healthy:
+                log.info("replica %s is up", url)
+            else:
+                log.warning("replica %s is down: %s", url, r.error)
