@@ -47,6 +47,10 @@ REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"  # histogram
 REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"  # first scheduled → first token
 REQUEST_DECODE_TIME = "vllm:request_decode_time_seconds"  # first token → last token
 REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"  # first scheduled → last token
+# Gauge of value 1 whose labels describe the KV cache (block_size, num_gpu_blocks, ...): the
+# Gateway API Inference Extension's model-server protocol reads block_size and num_gpu_blocks
+# from it for prefix-aware routing, and `kvfleet router` reads block_size. vLLM's name.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 COUNTERS = (
     PROMPT_TOKENS,
@@ -57,6 +61,7 @@ COUNTERS = (
     PREFIX_CACHE_HITS,
 )
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
+INFO_GAUGES = (CACHE_CONFIG_INFO,)  # exposed once the model is loaded
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
@@ -73,7 +78,7 @@ HISTOGRAMS = (
 def exposed_names() -> set[str]:
     """Every series name the runtime exposes on /metrics (counters with _total, histograms'
     _bucket/_sum/_count), for checks that alerts and dashboards reference real metrics."""
-    names = set(GAUGES)
+    names = set(GAUGES) | set(INFO_GAUGES)
     names |= {f"{c}_total" for c in COUNTERS}
     for h in HISTOGRAMS:
         names |= {f"{h}_bucket", f"{h}_sum", f"{h}_count"}

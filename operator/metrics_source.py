@@ -4,10 +4,9 @@ Both ways yield one `PodSample` per pod (autoscaler.py). A pod whose numbers can
 is a sample with `scraped=False` and an `error`, never an exception and never zeros: zeros
 would read as an idle pod and invite a scale-down.
 
-Several series per metric (one per `model_name` label set) are combined per pod:
-- waiting and running requests are counts, so they are summed;
-- KV-cache usage takes the maximum, not the mean: the fullest cache is the one that queues
-  and preempts requests, and averaging it with an idle one would hide the pressure.
+Several series per metric (one per `model_name` label set) are combined per pod as
+kvfleet/runtime_load.py says (the parser the router shares): waiting and running summed,
+KV-cache usage the maximum.
 
 Prometheus mode runs three instant queries against `/api/v1/query`, each grouped by pod over
 the InferenceService's pods (`NS` and `NAME` filled in, label values escaped):
@@ -30,7 +29,6 @@ from typing import NamedTuple
 
 import aiohttp
 from kvfleet.operator.autoscaler import PodSample
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.contract import (
     KV_CACHE_USAGE_PERC,
@@ -39,11 +37,10 @@ from kvfleet.contract import (
     NUM_REQUESTS_WAITING,
 )
 
+# The parser is shared with the router; the operator's callers keep reading it from here.
+from kvfleet.runtime_load import MetricsParseError, parse_runtime_metrics
+
 INSTANCE_LABEL = "app_kubernetes_io_instance"  # app.kubernetes.io/instance, as Prometheus names it
-
-
-class MetricsParseError(ValueError):
-    """A /metrics page that does not carry the runtime's load signals."""
 
 
 class MetricsUnavailable(RuntimeError):
@@ -56,44 +53,6 @@ class PodTarget(NamedTuple):
     name: str
     ip: str
     ready: bool
-
-
-class RuntimeLoad(NamedTuple):
-    """The three signals one runtime reports."""
-
-    waiting: float
-    running: float
-    kv_usage: float
-
-
-def parse_runtime_metrics(text: str) -> RuntimeLoad:
-    """Read (waiting, running, kv_usage) from a Prometheus text exposition.
-
-    Raises MetricsParseError when the text is malformed or lacks one of the three gauges:
-    a page without them is not a kvfleet/vLLM runtime, and absent is not zero.
-    """
-    values: dict[str, list[float]] = {
-        NUM_REQUESTS_WAITING: [],
-        NUM_REQUESTS_RUNNING: [],
-        KV_CACHE_USAGE_PERC: [],
-    }
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in values:
-                    values[sample.name].append(sample.value)
-    except ValueError as error:
-        raise MetricsParseError(f"malformed metrics text: {error}") from error
-    for name, found in values.items():
-        if not found:
-            raise MetricsParseError(f"metric {name} missing from /metrics")
-        if not all(math.isfinite(v) for v in found):
-            raise MetricsParseError(f"metric {name} is not a finite number: {found}")
-    return RuntimeLoad(
-        waiting=sum(values[NUM_REQUESTS_WAITING]),
-        running=sum(values[NUM_REQUESTS_RUNNING]),
-        kv_usage=max(values[KV_CACHE_USAGE_PERC]),
-    )
 
 
 async def scrape_pods(

@@ -1,6 +1,7 @@
 """The folders keep DESIGN.md's boundaries: the runtime never imports the operator, kopf or
-kubernetes; its engine and models never import its server or benchmarks; the operator never
-imports torch or the runtime. And pyproject ships every package, with the C sources."""
+kubernetes; its engine and models never import its server or benchmarks; the router never
+imports the engine or torch; the operator never imports torch or the runtime. And pyproject
+ships every package, with the C sources."""
 
 from __future__ import annotations
 
@@ -18,8 +19,29 @@ RULES = [
     ("runtime/engine", ("kvfleet.runtime.server", "kvfleet.runtime.bench")),
     ("runtime/models", ("kvfleet.runtime.server", "kvfleet.runtime.bench")),
     ("runtime/models", ("kvfleet.runtime.engine",)),
+    # The router is a small proxy image's whole program: no engine, no model, no torch.
+    (
+        "runtime/router",
+        (
+            "torch",
+            "triton",
+            "transformers",
+            "tokenizers",
+            "safetensors",
+            "numpy",
+            "kvfleet.kernels",
+            "kvfleet.runtime.engine",
+            "kvfleet.runtime.models",
+            "kvfleet.runtime.bench",
+        ),
+    ),
     ("operator", ("torch", "triton", "transformers", "kvfleet.runtime", "kvfleet.kernels")),
 ]
+# What the router may take from the server: the torch-free error shape and runner.
+ROUTER_MAY_IMPORT_FROM_SERVER = {
+    "kvfleet.runtime.server.api_error",
+    "kvfleet.runtime.server.http_runner",
+}
 
 
 @pytest.mark.parametrize(("folder", "forbidden"), RULES)
@@ -53,6 +75,38 @@ def test_every_runtime_module_imports_with_kopf_and_kubernetes_unimportable():
     assert result.returncode == 0, result.stderr
     assert "kvfleet.runtime.engine.llm_engine" in modules
     assert "kvfleet.runtime.server.app" in modules
+
+
+def test_the_router_takes_only_the_torch_free_parts_of_the_server():
+    used = {
+        module
+        for path in (ROOT / "runtime/router").rglob("*.py")
+        for _, module in imported_modules(path)
+        if is_within(module, "kvfleet.runtime.server")
+    }
+    assert used <= ROUTER_MAY_IMPORT_FROM_SERVER, used - ROUTER_MAY_IMPORT_FROM_SERVER
+
+
+def test_every_router_module_imports_with_torch_unimportable():
+    modules = sorted(
+        package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
+        for p in (ROOT / "runtime/router").rglob("*.py")
+    )
+    code = (
+        "import importlib, sys\n"
+        "for m in ('torch', 'transformers', 'kopf', 'kubernetes'):\n"
+        "    sys.modules[m] = None\n"  # importing them now raises
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "bad = [m for m in sys.modules if m.startswith(('kvfleet.runtime.engine', "
+        "'kvfleet.runtime.models', 'kvfleet.operator'))]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert "kvfleet.runtime.router.app" in modules
 
 
 def test_pyproject_ships_every_package_and_the_c_sources():

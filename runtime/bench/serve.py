@@ -4,7 +4,9 @@ report request/s, output tokens/s, TTFT, inter-token and end-to-end latency perc
 
 Scenario flags measure a feature against its off-switch in the same command (`--spawn` starts
 the server once per setting): `--shared-prefix N` (prefix caching on vs off, TTFT) and
-`--long-prompt-every K` (chunked prefill on vs off, inter-token latency p99). With
+`--long-prompt-every K` (chunked prefill on vs off, inter-token latency p99), and with
+`--replicas N` prefix-aware routing vs random placement over N replicas behind `kvfleet
+router` (prefix hit rate, TTFT; serve_routing.py). With
 `--offline-baseline`, a plain `--spawn` run is bracketed by two runs of `kvfleet bench
 throughput --baseline none` on the same workload and engine flags, and the JSON's
 `offline_ratio` is serving's output tokens/s over their mean: the host's drift during the
@@ -57,6 +59,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="TOKENS",
         help="every prompt starts with the same TOKENS-token text; prefix caching "
         f"on vs off at concurrency {SHARED_PREFIX_CONCURRENCY} (needs --spawn)",
+    )
+    p.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --shared-prefix: K different shared prefixes (system prompts), each prompt "
+        "starting with one of them at random",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N replicas behind `kvfleet router` and compare --policy prefix with "
+        "random: prefix hit rate and TTFT (needs --spawn and --shared-prefix; the replicas get "
+        "--serve-args and the engine flags)",
     )
     p.add_argument(
         "--long-prompt-every",
@@ -261,8 +280,15 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     pool = np.array([t for t in range(len(tokenizer)) if t not in special])
     if args.shared_prefix:
-        prefix = rng.choice(pool, size=args.shared_prefix).tolist()
-        items = [(prefix + p, n) for p, n in items]
+        prefixes = [rng.choice(pool, size=args.shared_prefix).tolist()]
+        prefixes += [
+            rng.choice(pool, size=args.shared_prefix).tolist() for _ in range(args.num_prefixes - 1)
+        ]
+        # Its own generator: the one prefix (and long prompts) stay what they were without K.
+        which = np.random.default_rng(args.workload_seed + 2).integers(
+            len(prefixes), size=len(items)
+        )
+        items = [(prefixes[k] + p, n) for k, (p, n) in zip(which, items, strict=True)]
     if args.long_prompt_every:
         for i in range(0, len(items), args.long_prompt_every):
             items[i] = (rng.choice(pool, size=LONG_PROMPT_TOKENS).tolist(), items[i][1])
@@ -401,6 +427,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{key}_ratio"] = getattr(r_off, metric) / on_v if on_v else None
         result[name] = {"on": r_on.public(), "off": r_off.public()}
 
+    if args.replicas:
+        from kvfleet.runtime.bench.serve_routing import run_routing
+
+        result["shared_prefix_tokens"] = args.shared_prefix
+        result.update(await run_routing(args, workload, spawned_server, drive))
+        return result
     if args.shared_prefix:
         result["shared_prefix_tokens"] = args.shared_prefix
         await pair(
@@ -485,6 +517,19 @@ def run(args: argparse.Namespace) -> int:
     if args.shared_prefix and args.long_prompt_every:
         print(
             "kvfleet bench serve: error: give one of --shared-prefix, --long-prompt-every",
+            file=sys.stderr,
+        )
+        return 2
+    if args.replicas and not (args.spawn and args.shared_prefix):
+        print(
+            "kvfleet bench serve: error: --replicas starts its own servers and compares "
+            "routing on shared prefixes: it needs --spawn and --shared-prefix",
+            file=sys.stderr,
+        )
+        return 2
+    if args.replicas < 0 or args.num_prefixes < 1:
+        print(
+            "kvfleet bench serve: error: --replicas must be >= 0 and --num-prefixes >= 1",
             file=sys.stderr,
         )
         return 2

@@ -77,7 +77,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest run of the request's leading full blocks already in the cache, and the
         number of tokens they hold. At least one token is always left to compute, because the
-        step that computes it produces the next token's logits."""
+        step that computes it produces the next token's logits. Counted in `stats` only when
+        the request is admitted with them (allocate_slots)."""
         if not self.enable_prefix_caching:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
@@ -94,8 +95,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     # --- allocation --------------------------------------------------------------------------
@@ -121,6 +120,12 @@ class KVCacheManager:
         if held is None:
             held = self.req_blocks[rid] = []
             self.req_num_hashed[rid] = 0
+            if self.enable_prefix_caching:
+                # Admission: the lookup counts now, once. A request the pool turned away is
+                # looked up again at every step it waits, and counting those lookups made a
+                # full cache's hit rate a measure of how long requests queued.
+                self.stats.queries += request.num_tokens
+                self.stats.hits += len(computed_blocks) * self.block_size
         for b in computed_blocks:
             if self.ref_counts[b] == 0:
                 del self.free_queue[b]

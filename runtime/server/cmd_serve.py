@@ -126,11 +126,11 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
     from kvfleet.runtime.engine.served_name import served_model_name
     from kvfleet.runtime.server.app import OpenAIServer, ServerSettings
     from kvfleet.runtime.server.http_runner import OpenAIAppRunner
-    from kvfleet.runtime.server.metrics import RuntimeMetrics
+    from kvfleet.runtime.server.metrics import RuntimeMetrics, cache_config_labels
 
     name = served_model_name(config)  # type: ignore[arg-type]
     engine: AsyncEngine
-    metrics = RuntimeMetrics(name, lambda: engine.stats)
+    metrics = RuntimeMetrics(name, lambda: engine.stats, lambda: cache_config_labels(engine))
     engine = AsyncEngine(config, observer=metrics)  # type: ignore[arg-type]
     settings = ServerSettings(
         model_name=name,

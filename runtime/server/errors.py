@@ -1,60 +1,22 @@
 """The one error shape every answer uses: OpenAI's {"error": {"message", "type", "param",
-"code"}}."""
+"code"}} (`APIError`, in api_error.py), and what the client is told of each exception."""
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvfleet.runtime.engine.async_engine import EngineDeadError, RequestFailedError
 from kvfleet.runtime.engine.request_limits import RequestError
+from kvfleet.runtime.server.api_error import APIError
+
+__all__ = ["APIError", "api_error"]
 
 if TYPE_CHECKING:
     from aiohttp import web
 
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _error_type(status)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def _error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 503:
-        return "service_unavailable"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
 
 
 def api_error(exc: Exception, request: web.Request) -> APIError:

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
-from kvfleet.runtime.server.errors import APIError
+from kvfleet.runtime.server.api_error import APIError
 
 
 class _OpenAIErrorHandler(RequestHandler):

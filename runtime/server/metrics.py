@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from kvfleet import contract
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.engine.async_engine import EngineStats
+    from kvfleet.runtime.engine.async_engine import AsyncEngine, EngineStats
     from kvfleet.runtime.engine.request import Request
 
 # vLLM's buckets: sub-10 ms steps on a GPU up to minutes for long CPU generations.
@@ -98,11 +98,30 @@ TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+def cache_config_labels(engine: AsyncEngine) -> dict[str, str] | None:
+    """`vllm:cache_config_info`'s labels, as vLLM spells them; None until the model is loaded
+    (the number of blocks is only known then)."""
+    e = engine.engine
+    if e is None:
+        return None
+    return {
+        "block_size": str(e.kv.block_size),
+        "num_gpu_blocks": str(e.kv.num_blocks),  # vLLM's label name, whatever the device
+        "enable_prefix_caching": str(e.kv.enable_prefix_caching),
+        "cache_dtype": e.config.kv_cache_dtype,
+    }
+
+
 class RuntimeMetrics:
     """One registry per server: the EngineObserver for histograms plus a collector for the
-    engine's gauges and counters."""
+    engine's gauges and counters (and, given `cache_config`, the KV cache's info gauge)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        cache_config: Callable[[], dict[str, str] | None] = lambda: None,
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = [contract.MODEL_NAME_LABEL]
@@ -150,7 +169,7 @@ class RuntimeMetrics:
             "Time from a request's first scheduling to its last token.",
             REQUEST_BUCKETS,
         )
-        self.registry.register(_EngineCollector(model_name, stats))
+        self.registry.register(_EngineCollector(model_name, stats, cache_config))
 
     # --- EngineObserver (called from the engine thread) --------------------------------------
     def on_first_token(self, request: Request, now: float) -> None:
@@ -185,9 +204,15 @@ class RuntimeMetrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        cache_config: Callable[[], dict[str, str] | None],
+    ) -> None:
         self._model_name = model_name
         self._stats = stats
+        self._cache_config = cache_config
 
     def collect(self) -> Iterator[Metric]:
         from kvfleet.runtime.engine.async_engine import EngineStats
@@ -239,3 +264,12 @@ class _EngineCollector(Collector):
         for reason in sorted(set(FINISH_REASONS) | set(s.finished)):
             success.add_metric([self._model_name, reason], s.finished.get(reason, 0))
         yield success
+        cache = self._cache_config()
+        if cache is not None:
+            info = GaugeMetricFamily(
+                contract.CACHE_CONFIG_INFO,
+                "KV cache configuration, in the labels (value 1).",
+                labels=[contract.MODEL_NAME_LABEL, *cache],
+            )
+            info.add_metric([self._model_name, *cache.values()], 1.0)
+            yield info

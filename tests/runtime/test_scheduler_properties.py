@@ -146,6 +146,23 @@ def test_prefix_hit_shares_blocks_and_counts_hits() -> None:
     assert kv.stats.hits == 8 and kv.stats.queries == 19
 
 
+def test_a_request_waiting_for_blocks_counts_its_prefix_lookup_once() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    big = _request("big", [1, 2, 3, 4, 5, 6, 7], 1)  # four blocks: the whole pool
+    sched.add(big)
+    sched.schedule()
+    big.num_computed_tokens = 7
+    late = _request("late", [1, 2, 3, 4, 8], 1)
+    sched.add(late)
+    for _ in range(5):  # no room: it waits, looked up at every step
+        assert [r.request_id for r in sched.schedule().requests] == ["big"]
+    assert (kv.stats.queries, kv.stats.hits) == (7, 0)
+    sched.finish(big, "length")
+    assert [r.request_id for r in sched.schedule().requests] == ["late"]
+    assert (kv.stats.queries, kv.stats.hits) == (7 + 5, 4)  # its two cached blocks, once
+
+
 def test_freed_prefix_blocks_are_reused_lru_and_evicted_only_when_needed() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     a = _request("a", [1, 2, 3, 4, 5], 1)

@@ -1,0 +1,203 @@
+"""`kvfleet router`: an OpenAI-compatible front for several `kvfleet serve` replicas (or any
+server speaking the Gateway API Inference Extension's model-server protocol: vLLM's metric
+names) that sends each request where its prompt's prefix is cached, unless that replica is
+overloaded or down. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from urllib.parse import urlsplit
+
+from kvfleet import contract
+
+log = logging.getLogger("kvfleet.router")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from kvfleet.runtime.router.policy import POLICIES, PolicySettings
+    from kvfleet.runtime.router.settings import RouterSettings
+
+    d, dp = RouterSettings(), PolicySettings()
+    p = sub.add_parser(
+        "router",
+        help="route OpenAI requests over replicas by prompt prefix and load",
+        description=__doc__,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=contract.RUNTIME_PORT, help="port to listen on")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)",
+    )
+    p.add_argument(
+        "--policy",
+        default=dp.policy,
+        choices=POLICIES,
+        help="prefix: prefix affinity with load fallback; least-loaded, random: baselines",
+    )
+    p.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=d.prefix_blocks,
+        help="KV blocks of the prompt (the replicas' block size, ~4 characters a token) whose "
+        "hash picks the replica",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=float,
+        default=dp.max_waiting,
+        help="a replica with more requests queued is overloaded",
+    )
+    p.add_argument(
+        "--max-kv-usage",
+        type=float,
+        default=dp.max_kv_usage,
+        help="a replica whose KV cache is this full (0-1) is overloaded",
+    )
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=dp.load_factor,
+        help="a replica with more than this times the mean load is overloaded (>= 1)",
+    )
+    p.add_argument("--scrape-interval", type=float, default=d.scrape_interval, help="seconds")
+    p.add_argument("--scrape-timeout", type=float, default=d.scrape_timeout, help="seconds")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        help="seconds a whole request (its stream included) may take upstream",
+    )
+    p.add_argument(
+        "--wait-for-replica",
+        type=float,
+        default=d.wait_for_replica,
+        help="seconds a request waits for a healthy replica before a 503",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=d.max_attempts,
+        help="replicas tried for a request that a replica refused (connection refused or 503)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body accepted (413 beyond)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed of the random policy")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log verbosity",
+    )
+    p.set_defaults(func=run)
+
+
+def upstream_url(value: str) -> str:
+    """A replica's base URL, checked: http(s)://host[:port], no path."""
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream: give http://host:port, got {value!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"upstream: give a base URL without a path, got {value!r}")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
+    """(upstream URLs, RouterSettings) from the flags; ValueError names a bad one."""
+    from kvfleet.runtime.router.policy import PolicySettings
+    from kvfleet.runtime.router.settings import RouterSettings
+
+    urls = [upstream_url(u) for u in args.upstream]
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"upstream: each replica once, got {urls}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port: must be in [0, 65535], got {args.port}")
+    for name in ("prefix_blocks", "max_attempts", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+    for name in ("scrape_interval", "scrape_timeout", "connect_timeout", "request_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"{name}: must be > 0 seconds, got {getattr(args, name)}")
+    if args.wait_for_replica < 0:
+        raise ValueError(f"wait_for_replica: must be >= 0 seconds, got {args.wait_for_replica}")
+    policy = PolicySettings(args.policy, args.max_waiting, args.max_kv_usage, args.load_factor)
+    settings = RouterSettings(
+        policy=policy,
+        prefix_blocks=args.prefix_blocks,
+        scrape_interval=args.scrape_interval,
+        scrape_timeout=args.scrape_timeout,
+        connect_timeout=args.connect_timeout,
+        request_timeout=args.request_timeout,
+        wait_for_replica=args.wait_for_replica,
+        max_attempts=args.max_attempts,
+        max_body_bytes=args.max_body_bytes,
+        seed=args.seed,
+    )
+    return urls, settings
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        urls, settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"kvfleet router: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args.host, args.port, urls, settings))
+
+
+async def _serve(host: str, port: int, urls: list[str], settings: object) -> int:
+    import asyncio
+    import signal
+
+    from aiohttp import web
+    from kvfleet.runtime.router.app import Router
+    from kvfleet.runtime.router.replica_pool import ReplicaPool
+    from kvfleet.runtime.server.http_runner import OpenAIAppRunner
+
+    router = Router(ReplicaPool(urls), settings)  # type: ignore[arg-type]
+    # handler_cancellation: a client that hangs up cancels its handler, which closes the
+    # upstream connection, so the replica stops generating for nobody.
+    runner = OpenAIAppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()  # runs the first scrape: the replicas are known before serving
+    site = web.TCPSite(runner, host, port, shutdown_timeout=10.0)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", host, port, exc)
+        await runner.cleanup()
+        return 1
+    healthy = sum(r.healthy for r in router.pool.replicas)
+    log.info(
+        "routing on http://%s:%s over %d replicas (%d healthy), policy %s",
+        host,
+        port,
+        len(urls),
+        healthy,
+        router.settings.policy.policy,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await runner.cleanup()
+    return 0
