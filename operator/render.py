@@ -339,8 +339,13 @@ def progress_deadline_seconds(spec: InferenceServiceSpec) -> int:
 
 
 def initial_replicas(spec: InferenceServiceSpec) -> int:
-    """Replicas for a new Deployment: the autoscaler's floor when it owns them, else spec.replicas."""
-    return spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas
+    """Replicas for a new Deployment: the autoscaler's floor when it owns them, else spec.replicas.
+
+    A scale-to-zero service (minReplicas 0) still starts with one replica: a new service that
+    answers shows it works, and it goes to zero once idle for scaleToZeroAfterSeconds."""
+    if spec.autoscaling.enabled:
+        return max(1, spec.autoscaling.min_replicas)
+    return spec.replicas
 
 
 def render_deployment(

@@ -99,6 +99,8 @@ class AutoscalingSpec:
     poll_interval_seconds: int = 15
     metrics_source: str = "scrape"  # one of METRICS_SOURCES once checked
     prometheus_url: str | None = None
+    # With minReplicas 0: seconds without any request before the last replica goes (idle.py).
+    scale_to_zero_after_seconds: int = 300
 
     def check(self) -> AutoscalingSpec:
         """This spec if the autoscaler can work with it; else SpecError naming the field and limit.
@@ -108,12 +110,11 @@ class AutoscalingSpec:
         why it does not scale; the reconciler is Degraded only for what spec_check lists).
         """
         p = "spec.autoscaling"
-        for name, replicas in (
-            ("minReplicas", self.min_replicas),
-            ("maxReplicas", self.max_replicas),
-        ):
-            if replicas < 1:
-                raise SpecError(f"{p}.{name}", f"must be >= 1, got {replicas}")
+        # minReplicas 0 is scale to zero: the router's activator brings the first replica back.
+        if self.min_replicas < 0:
+            raise SpecError(f"{p}.minReplicas", f"must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < 1:
+            raise SpecError(f"{p}.maxReplicas", f"must be >= 1, got {self.max_replicas}")
         if self.max_replicas < self.min_replicas:
             raise SpecError(
                 f"{p}.maxReplicas",
@@ -141,6 +142,18 @@ class AutoscalingSpec:
         ):
             if seconds < 0:
                 raise SpecError(f"{p}.{name}", f"must be >= 0 seconds, got {seconds}")
+        if self.scale_to_zero_after_seconds < 1:
+            raise SpecError(
+                f"{p}.scaleToZeroAfterSeconds",
+                f"must be >= 1 second, got {self.scale_to_zero_after_seconds}",
+            )
+        if self.min_replicas == 0 and self.scale_to_zero_after_seconds < self.poll_interval_seconds:
+            # Idleness is seen once per poll: a shorter timeout could not be honoured.
+            raise SpecError(
+                f"{p}.scaleToZeroAfterSeconds",
+                f"must be >= pollIntervalSeconds ({self.poll_interval_seconds}), "
+                f"got {self.scale_to_zero_after_seconds}",
+            )
         if self.poll_interval_seconds < 1:
             raise SpecError(
                 f"{p}.pollIntervalSeconds", f"must be >= 1 second, got {self.poll_interval_seconds}"
@@ -280,6 +293,9 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
         metrics_source=_get(raw, "metricsSource", str, d.metrics_source, p),
         # The CRD may default it to "": unset, like an absent key.
         prometheus_url=_get(raw, "prometheusURL", str, "", p) or None,
+        scale_to_zero_after_seconds=_get(
+            raw, "scaleToZeroAfterSeconds", int, d.scale_to_zero_after_seconds, p
+        ),
     )
 
 

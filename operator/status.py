@@ -85,6 +85,24 @@ def _deployment_problem(dep_status: Mapping[str, Any]) -> c.Condition | None:
     return None
 
 
+SCALED_TO_ZERO = "ScaledToZero"
+
+
+def _zero_message(isvc: Mapping[str, Any]) -> str:
+    """Why there are no replicas: idle under scale to zero (the next request starts one), or
+    spec.replicas 0 (nothing starts one). health.lua tells them apart by the spec too."""
+    try:
+        auto = parse_spec(isvc.get("spec") or {}).autoscaling
+    except SpecError:
+        return "spec.replicas is 0"
+    if auto.enabled and auto.min_replicas == 0:
+        return (
+            f"idle: no requests for scaleToZeroAfterSeconds ({auto.scale_to_zero_after_seconds}s); "
+            "the router starts a replica on the next request"
+        )
+    return "spec.replicas is 0"
+
+
 def compute_status(
     isvc: Mapping[str, Any],
     deployment: Mapping[str, Any] | None,
@@ -170,7 +188,7 @@ def compute_status(
                 c.PROGRESSING, c.FALSE, "Complete", f"{desired} replicas run the current spec"
             )
         if desired == 0:
-            readiness = c.Condition(c.READY, c.FALSE, "ScaledToZero", "spec.replicas is 0")
+            readiness = c.Condition(c.READY, c.FALSE, SCALED_TO_ZERO, _zero_message(isvc))
         elif available >= desired and rolled:
             readiness = c.Condition(
                 c.READY, c.TRUE, "AllReplicasReady", f"{available} of {desired} replicas ready"

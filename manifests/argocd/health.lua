@@ -56,11 +56,29 @@ if progressing ~= nil and progressing.status == "True" then
   return hs
 end
 
--- spec.replicas 0 is a state the user asked for, not a rollout that never ends: Suspended, as
--- Argo CD shows a suspended CronJob or a paused Rollout, once the operator has seen that spec.
+-- Zero replicas, once the operator has seen that spec, is one of two states, neither a rollout
+-- that never ends:
+-- * scale to zero (autoscaling on, minReplicas 0): the autoscaler removed the last replica of an
+--   idle service, and the router starts one for the next request without anyone acting. The
+--   service works as designed, so Healthy (idle): Suspended would hold up sync waves and alert
+--   on every quiet night.
+-- * spec.replicas 0: the user switched it off; nothing will answer until someone acts.
+--   Suspended, as Argo CD shows a suspended CronJob or a paused Rollout.
+local function scales_to_zero(spec)
+  if spec == nil or spec.autoscaling == nil then
+    return false
+  end
+  return spec.autoscaling.enabled == true and spec.autoscaling.minReplicas == 0
+end
+
 if ready ~= nil and ready.status == "False" and ready.reason == "ScaledToZero" then
   local seen = observed(status, ready)
   if seen ~= nil and (generation == nil or seen == generation) then
+    if scales_to_zero(obj.spec) then
+      hs.status = "Healthy"
+      hs.message = "Idle, scaled to zero (" .. (ready.message or "no requests") .. ")"
+      return hs
+    end
     hs.status = "Suspended"
     hs.message = "Scaled to zero replicas (" .. (ready.message or "spec.replicas is 0") .. ")"
     return hs

@@ -48,6 +48,7 @@ BREAKS_RULE = {
     "maxNumBatchedTokens must be >= maxNumSeqs": {"runtime": {"maxNumBatchedTokens": 64, "maxNumSeqs": 128}},
     "minReplicas must be <= maxReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
     "prometheusURL is required when metricsSource is prometheus": {"autoscaling": {"metricsSource": "prometheus"}},
+    "scaleToZeroAfterSeconds must be >= pollIntervalSeconds when minReplicas is 0": {"autoscaling": {"minReplicas": 0, "pollIntervalSeconds": 60, "scaleToZeroAfterSeconds": 30}},
     "volume names dshm, tmp, cache, hf-cache and model are the operator's own": {"volumes": [{"name": "tmp", "emptyDir": {}}]},
     "every volumeMounts entry must name a volume in spec.volumes": {"volumeMounts": [{"name": "v", "mountPath": "/x"}]},
     "/dev/shm, /tmp, /var/cache/kvfleet and /models/ are the operator's own mount paths": {"volumes": [{"name": "v", "emptyDir": {}}], "volumeMounts": [{"name": "v", "mountPath": "/tmp"}]},
@@ -100,6 +101,7 @@ async def test_defaults_are_filled_on_create_nested_objects_included(kube):
         "enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
         "targetKVCacheUsage": 0.8, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 300, "pollIntervalSeconds": 15, "metricsSource": "scrape",
+        "scaleToZeroAfterSeconds": 300,
     }  # fmt: skip
     assert spec["replicas"] == 1
     assert kube.emulator.get(ISVC, NS, "chat")["spec"] == spec

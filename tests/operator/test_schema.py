@@ -69,6 +69,8 @@ def test_full_sample_uses_every_spec_field():
         (lambda s: s.setdefault("resources", {}).update(memory="lots"), "spec.resources.memory in body should match"),
         (lambda s: s.update(autoscaling={"minReplicas": 5, "maxReplicas": 2}), "minReplicas must be"),
         (lambda s: s.update(autoscaling={"metricsSource": "prometheus"}), "prometheusURL is required"),
+        (lambda s: s.update(autoscaling={"minReplicas": -1}), "should be greater than or equal to 0"),
+        (lambda s: s.update(autoscaling={"minReplicas": 0, "pollIntervalSeconds": 60, "scaleToZeroAfterSeconds": 30}), "scaleToZeroAfterSeconds must be >= pollIntervalSeconds"),
         (lambda s: s["model"].update(hfTokenSecretRef={"name": "t"}), "only used with hf://"),
         (lambda s: s.pop("model"), "spec.model: Required value"),
         (lambda s: s["model"].update(sizeHint="8Gi"), "sizeHint is only used with hf://"),
@@ -81,7 +83,8 @@ def test_full_sample_uses_every_spec_field():
     ],
     ids=[
         "negative-replicas", "unknown-scheme", "hf-without-org", "unknown-field", "block-size",
-        "dtype", "kv-fraction", "quantity", "min-gt-max", "prometheus-url", "token-without-hf",
+        "dtype", "kv-fraction", "quantity", "min-gt-max", "prometheus-url", "negative-min",
+        "idle-shorter-than-poll", "token-without-hf",
         "no-model", "size-hint-without-hf", "cache-without-hf", "size-hint-word",
         "size-hint-unit", "cache-without-pvc", "cache-pvc-name", "cache-unknown-field",
     ],
@@ -153,6 +156,7 @@ def test_autoscaling_defaults_as_designed():
         "scaleDownStabilizationSeconds": 300,
         "pollIntervalSeconds": 15,
         "metricsSource": "scrape",
+        "scaleToZeroAfterSeconds": 300,
     }
 
 
@@ -171,7 +175,7 @@ def test_crd_api_surface():
     }
     assert "status" in VERSION["subresources"]
     columns = [c["name"] for c in VERSION["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Replicas", "Model", "Queue", "KV%", "URL", "Age"]
+    assert columns == ["Ready", "Status", "Replicas", "Model", "Queue", "KV%", "URL", "Age"]
     status = SCHEMA["properties"]["status"]["properties"]
     assert set(status["autoscaling"]["properties"]) == {
         "desiredReplicas", "currentReplicas", "queueDepth", "kvCacheUsage", "lastScaleTime",
