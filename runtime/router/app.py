@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from kvfleet.runtime.router.discovery import PodDiscovery
 from kvfleet.runtime.router.forward import UpstreamFailed, forward
 from kvfleet.runtime.router.metrics import RouterMetrics
 from kvfleet.runtime.router.policy import pick_replica
@@ -37,13 +38,17 @@ RETRY_AFTER_S = 1
 class Router:
     """Routes and the background scrape. `app()` builds the aiohttp application."""
 
-    def __init__(self, pool: ReplicaPool, settings: RouterSettings) -> None:
+    def __init__(
+        self, pool: ReplicaPool, settings: RouterSettings, discovery: PodDiscovery | None = None
+    ) -> None:
         self.pool = pool
         self.settings = settings
+        self.discovery = discovery  # None: the replicas are the fixed --upstream list
         self.metrics = RouterMetrics(pool)
         self._rng = random.Random(settings.seed)
         self._session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task[None] | None = None
+        self._discoverer: asyncio.Task[None] | None = None
         self._timeout = aiohttp.ClientTimeout(
             total=settings.request_timeout,
             connect=settings.connect_timeout,
@@ -68,16 +73,20 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         self._session = aiohttp.ClientSession(connector=connector)
         s = self.settings
+        if self.discovery is not None:
+            await self.discovery.sync(self.pool, self._session)  # the pods before the scrape
+            self._discoverer = asyncio.create_task(self.discovery.run(self.pool, self._session))
         await scrape_once(self.pool, self._session, s.scrape_timeout)  # know them before serving
         self._scraper = asyncio.create_task(
             scrape_forever(self.pool, self._session, s.scrape_interval, s.scrape_timeout)
         )
 
     async def _stop(self, app: web.Application) -> None:
-        if self._scraper is not None:
-            self._scraper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scraper
+        for task in (self._discoverer, self._scraper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._session is not None:
             await self._session.close()
 

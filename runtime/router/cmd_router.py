@@ -31,9 +31,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--upstream",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
-        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)",
+        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica); or "
+        "find them with --discover-selector",
+    )
+    k = p.add_argument_group(
+        "Kubernetes discovery",
+        "the replicas are the Ready pods matching a label selector, listed from the API server "
+        "every --discover-interval seconds (in a pod: its service account, which needs "
+        "get/list/watch on pods in that namespace)",
+    )
+    k.add_argument(
+        "--discover-selector",
+        metavar="SELECTOR",
+        help="label selector of the replicas' pods, e.g. app.kubernetes.io/instance=chat",
+    )
+    k.add_argument(
+        "--discover-namespace",
+        metavar="NS",
+        help="their namespace (default: the router pod's own, from its service account)",
+    )
+    k.add_argument(
+        "--discover-port",
+        type=int,
+        default=contract.RUNTIME_PORT,
+        help="the port the replicas serve on",
+    )
+    k.add_argument(
+        "--discover-interval", type=float, default=1.0, help="seconds between two listings"
+    )
+    k.add_argument(
+        "--discover-api-server",
+        metavar="URL",
+        help="the API server (default: in a pod, https://$KUBERNETES_SERVICE_HOST:"
+        "$KUBERNETES_SERVICE_PORT with the service account's CA and token)",
     )
     p.add_argument(
         "--policy",
@@ -113,12 +145,49 @@ def upstream_url(value: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def discovery_from_args(args: argparse.Namespace) -> object | None:
+    """DiscoverySettings from the --discover-* flags (None without --discover-selector);
+    ValueError names a bad one."""
+    from kvfleet.runtime.router.discovery import SERVICE_ACCOUNT_DIR, DiscoverySettings
+
+    if not args.discover_selector:
+        return None
+    if args.upstream:
+        raise ValueError("upstream: give --upstream or --discover-selector, not both")
+    namespace = args.discover_namespace
+    if not namespace:
+        ns_file = SERVICE_ACCOUNT_DIR / "namespace"
+        if not ns_file.is_file():
+            raise ValueError(
+                "discover-namespace: required outside a pod (no service account namespace file)"
+            )
+        namespace = ns_file.read_text().strip()
+    if not 1 <= args.discover_port <= 65535:
+        raise ValueError(f"discover-port: must be in [1, 65535], got {args.discover_port}")
+    if not args.discover_interval > 0:
+        raise ValueError(f"discover-interval: must be > 0 seconds, got {args.discover_interval}")
+    api = args.discover_api_server
+    if api is not None:
+        parts = urlsplit(api)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"discover-api-server: give http(s)://host:port, got {api!r}")
+    return DiscoverySettings(
+        selector=args.discover_selector,
+        namespace=namespace,
+        port=args.discover_port,
+        api_server=api,
+        interval=args.discover_interval,
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
     """(upstream URLs, RouterSettings) from the flags; ValueError names a bad one."""
     from kvfleet.runtime.router.policy import PolicySettings
     from kvfleet.runtime.router.settings import RouterSettings
 
     urls = [upstream_url(u) for u in args.upstream]
+    if not urls and not args.discover_selector:
+        raise ValueError("upstream: give at least one --upstream URL, or --discover-selector")
     if len(set(urls)) != len(urls):
         raise ValueError(f"upstream: each replica once, got {urls}")
     if not 0 <= args.port <= 65535:
@@ -157,22 +226,29 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         urls, settings = settings_from_args(args)
+        discovery = discovery_from_args(args)
     except ValueError as exc:
         print(f"kvfleet router: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args.host, args.port, urls, settings))
+    return asyncio.run(_serve(args.host, args.port, urls, settings, discovery))
 
 
-async def _serve(host: str, port: int, urls: list[str], settings: object) -> int:
+async def _serve(
+    host: str, port: int, urls: list[str], settings: object, discovery_settings: object = None
+) -> int:
     import asyncio
     import signal
 
     from aiohttp import web
     from kvfleet.runtime.router.app import Router
+    from kvfleet.runtime.router.discovery import PodDiscovery
     from kvfleet.runtime.router.replica_pool import ReplicaPool
     from kvfleet.runtime.server.http_runner import OpenAIAppRunner
 
-    router = Router(ReplicaPool(urls), settings)  # type: ignore[arg-type]
+    discovery = None
+    if discovery_settings is not None:
+        discovery = PodDiscovery(discovery_settings)  # type: ignore[arg-type]
+    router = Router(ReplicaPool(urls), settings, discovery)  # type: ignore[arg-type]
     # handler_cancellation: a client that hangs up cancels its handler, which closes the
     # upstream connection, so the replica stops generating for nobody.
     runner = OpenAIAppRunner(router.app(), handler_cancellation=True, access_log=None)
@@ -186,11 +262,14 @@ async def _serve(host: str, port: int, urls: list[str], settings: object) -> int
         return 1
     healthy = sum(r.healthy for r in router.pool.replicas)
     log.info(
-        "routing on http://%s:%s over %d replicas (%d healthy), policy %s",
+        "routing on http://%s:%s over %d replicas (%d healthy)%s, policy %s",
         host,
         port,
-        len(urls),
+        len(router.pool.replicas),
         healthy,
+        f", pods {discovery.settings.selector} in {discovery.settings.namespace}"
+        if discovery is not None
+        else "",
         router.settings.policy.policy,
     )
     stop = asyncio.Event()
