@@ -67,6 +67,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the API server (default: in a pod, https://$KUBERNETES_SERVICE_HOST:"
         "$KUBERNETES_SERVICE_PORT with the service account's CA and token)",
     )
+    a = p.add_argument_group(
+        "scale from zero",
+        "with --activate-deployment, a request arriving while no replica is ready is held and "
+        "the Deployment is scaled from 0 to 1 through its scale subresource (the service "
+        "account needs get and patch on deployments/scale); the namespace and API server are "
+        "--discover-namespace and --discover-api-server's",
+    )
+    a.add_argument(
+        "--activate-deployment",
+        metavar="NAME",
+        help="the replicas' Deployment, woken from zero replicas by a request",
+    )
+    a.add_argument(
+        "--activator-queue-limit",
+        type=int,
+        default=100,
+        help="requests held at a time while no replica is ready; more get 503 at once",
+    )
+    a.add_argument(
+        "--cold-start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a held request waits for a ready replica before a 503 (replaces "
+        "--wait-for-replica)",
+    )
     p.add_argument(
         "--policy",
         default=dp.policy,
@@ -180,6 +205,38 @@ def discovery_from_args(args: argparse.Namespace) -> object | None:
     )
 
 
+def activator_from_args(args: argparse.Namespace) -> object | None:
+    """ActivatorSettings from the scale-from-zero flags (None without --activate-deployment);
+    ValueError names a bad one."""
+    from kvfleet.runtime.router.activator import ActivatorSettings
+    from kvfleet.runtime.router.discovery import SERVICE_ACCOUNT_DIR
+
+    if not args.activate_deployment:
+        return None
+    if args.activator_queue_limit < 1:
+        raise ValueError(
+            f"activator_queue_limit: must be >= 1 request, got {args.activator_queue_limit}"
+        )
+    if not args.cold_start_timeout > 0:
+        raise ValueError(f"cold_start_timeout: must be > 0 seconds, got {args.cold_start_timeout}")
+    namespace = args.discover_namespace
+    if not namespace:
+        ns_file = SERVICE_ACCOUNT_DIR / "namespace"
+        if not ns_file.is_file():
+            raise ValueError(
+                "discover-namespace: required with --activate-deployment outside a pod "
+                "(no service account namespace file)"
+            )
+        namespace = ns_file.read_text().strip()
+    return ActivatorSettings(
+        deployment=args.activate_deployment,
+        namespace=namespace,
+        queue_limit=args.activator_queue_limit,
+        timeout=args.cold_start_timeout,
+        api_server=args.discover_api_server,
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
     """(upstream URLs, RouterSettings) from the flags; ValueError names a bad one."""
     from kvfleet.runtime.router.policy import PolicySettings
@@ -227,14 +284,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         urls, settings = settings_from_args(args)
         discovery = discovery_from_args(args)
+        activator = activator_from_args(args)
     except ValueError as exc:
         print(f"kvfleet router: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args.host, args.port, urls, settings, discovery))
+    return asyncio.run(_serve(args.host, args.port, urls, settings, discovery, activator))
 
 
 async def _serve(
-    host: str, port: int, urls: list[str], settings: object, discovery_settings: object = None
+    host: str,
+    port: int,
+    urls: list[str],
+    settings: object,
+    discovery_settings: object = None,
+    activator: object = None,
 ) -> int:
     import asyncio
     import signal
@@ -248,7 +311,7 @@ async def _serve(
     discovery = None
     if discovery_settings is not None:
         discovery = PodDiscovery(discovery_settings)  # type: ignore[arg-type]
-    router = Router(ReplicaPool(urls), settings, discovery)  # type: ignore[arg-type]
+    router = Router(ReplicaPool(urls), settings, discovery, activator)  # type: ignore[arg-type]
     # handler_cancellation: a client that hangs up cancels its handler, which closes the
     # upstream connection, so the replica stops generating for nobody.
     runner = OpenAIAppRunner(router.app(), handler_cancellation=True, access_log=None)

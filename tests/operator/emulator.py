@@ -365,6 +365,11 @@ class RealisticEmulator(ReadsMixin, ApplyMixin, kmock.KubernetesEmulator):
             if method == "PATCH":
                 body = merge_patch(self._scale(current), body)
             current.setdefault("spec", {})["replicas"] = body.get("spec", {}).get("replicas", 0)
+            # A resourceVersion in the Scale sent is a precondition on the object, as for the
+            # object itself: a stale one is a 409 (the activator's 0 → 1 relies on it).
+            sent = request.data if isinstance(request.data, dict) else {}
+            if rv := (sent.get("metadata") or {}).get("resourceVersion"):
+                current["metadata"]["resourceVersion"] = rv
             return answer(self._scale(self._write(res, key, current, "scale", opts)))
         if method == "PUT":
             new = request.data or {}
