@@ -1,0 +1,192 @@
+"""Scale to zero and back, end to end: the real operator (kopf) on the emulator, real
+`kvfleet serve` pods started by the kubelet simulator, and `kvfleet router`'s app with pod
+discovery and the activator in front.
+
+The story a platform engineer would check, with minReplicas 0 and a short idle timeout: the
+service answers; left idle it goes to 0 replicas (its pod stopped, status Ready=False reason
+ScaledToZero, an Event); one request through the router is held, wakes the Deployment 0 → 1,
+and is answered; the cold start is measured and printed. The replica the activator started is
+not removed under it, and once idle again the service goes back to 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from kube_harness import DEPLOYMENT, ISVC, eventually, isvc_with
+from kvfleet.operator.autoscale_loop import AUTOSCALER_READY, RUNTIME_PORT_SETTING
+from kvfleet.operator.conditions import find_condition
+from kvfleet.operator.kube_api import KubeApi
+from kvfleet.operator.kubelet_sim import KubeletSim, choose_port, pod_ips
+from kvfleet.operator.render import selector_string
+from kvfleet.runtime.router.activator import ActivatorSettings
+from kvfleet.runtime.router.app import Router
+from kvfleet.runtime.router.discovery import DiscoverySettings, PodDiscovery
+from kvfleet.runtime.router.replica_pool import ReplicaPool
+from kvfleet.runtime.router.settings import RouterSettings
+
+NS = "default"
+NAME = "chat"
+POLL = 1  # pollIntervalSeconds
+IDLE = 3  # scaleToZeroAfterSeconds
+MAX_TOKENS = 8
+
+
+@pytest.fixture
+def sim_port() -> int:
+    return choose_port(pod_ips(2))
+
+
+@pytest.fixture
+def operator_registration(sim_port):
+    def configure(registry, config) -> None:
+        config.extra[RUNTIME_PORT_SETTING] = sim_port
+
+    return configure
+
+
+def inference_service(model_dir) -> dict:
+    return isvc_with(
+        NAME,
+        model={"uri": f"file://{model_dir}", "servedName": "tiny"},
+        resources={"gpus": 0, "cpu": "1", "memory": "1Gi"},
+        runtime={
+            "maxNumSeqs": 2,
+            "maxModelLen": 512,
+            "drainTimeoutSeconds": 10,
+            "extraArgs": ["--num-threads", "1", "--kv-cache-memory", "1MiB"],
+        },
+        autoscaling={
+            "enabled": True,
+            "minReplicas": 0,
+            "maxReplicas": 1,
+            "pollIntervalSeconds": POLL,
+            "scaleToZeroAfterSeconds": IDLE,
+        },
+    )
+
+
+def replicas(k8s) -> int:
+    return k8s.get(DEPLOYMENT, NS, NAME)["spec"]["replicas"]
+
+
+def condition(k8s, type_: str) -> dict:
+    return find_condition(k8s.get(ISVC, NS, NAME).get("status", {}).get("conditions"), type_) or {}
+
+
+def events(k8s, reason: str) -> list[dict]:
+    return [
+        obj.raw
+        for (res, _, _), obj in k8s._objects.items()
+        if (res.group, res.version, res.plural) == ("", "v1", "events")
+        and not obj.deleted
+        and obj.raw.get("reason") == reason
+    ]
+
+
+async def complete(session: aiohttp.ClientSession, base: str) -> tuple[int, dict, float]:
+    body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": MAX_TOKENS}
+    started = time.monotonic()
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json(), time.monotonic() - started
+
+
+@pytest.mark.timeout(240)
+async def test_idle_goes_to_zero_and_one_request_brings_it_back(
+    operator, tiny_llama_dir, tmp_path, sim_port, capsys
+):
+    k8s = operator.emulator
+    api = KubeApi.from_environment()
+    sim = KubeletSim(api, NS, tmp_path / "pods", max_pods=2, port=sim_port)
+    discovery = PodDiscovery(
+        DiscoverySettings(
+            selector_string(NAME), NS, sim_port, api_server=operator.url, interval=0.2,
+            token_file=None, ca_file=None,
+        )
+    )  # fmt: skip
+    activator = ActivatorSettings(
+        NAME, NS, queue_limit=8, timeout=120, api_server=operator.url, token_file=None,
+        ca_file=None,
+    )  # fmt: skip
+    router = Router(
+        ReplicaPool([]), RouterSettings(scrape_interval=0.5, request_timeout=120), discovery,
+        activator,
+    )  # fmt: skip
+    server = TestServer(router.app())
+    async with sim, aiohttp.ClientSession() as session:
+        await server.start_server()
+        base = str(server.make_url("")).rstrip("/")
+        try:
+            # --- a new scale-to-zero service starts with one replica and answers ----------
+            k8s.create_object(ISVC, inference_service(tiny_llama_dir))
+            await eventually(lambda: sim.endpoints(NAME), timeout=90)
+            await eventually(router.pool.any_healthy, timeout=10)
+            status, body, warm_first = await complete(session, base)
+            assert status == 200, body
+            last_request = time.monotonic()
+
+            # --- idle: to 0 replicas after scaleToZeroAfterSeconds, pod stopped, status says so
+            await eventually(lambda: replicas(k8s) == 0, timeout=IDLE + 4 * POLL + 5)
+            idle_to_zero = time.monotonic() - last_request
+            assert idle_to_zero >= IDLE - POLL, f"scaled to zero {idle_to_zero:.1f}s after use"
+            await eventually(lambda: not sim.active(NAME), timeout=30)
+            ready = await eventually(
+                lambda: (c := condition(k8s, "Ready")).get("reason") == "ScaledToZero" and c,
+                timeout=10,
+            )
+            assert ready["status"] == "False" and "next request" in ready["message"]
+            auto = await eventually(
+                lambda: (
+                    (c := condition(k8s, AUTOSCALER_READY)).get("reason") == "ScaledToZero" and c
+                ),
+                timeout=5,
+            )
+            assert auto["status"] == "True" and "activator" in auto["message"]
+            (event,) = events(k8s, "ScaledToZero")
+            assert f"scaleToZeroAfterSeconds {IDLE}" in event["message"]
+            await eventually(lambda: not router.pool.replicas, timeout=5)
+            async with session.get(f"{base}/health") as resp:
+                assert resp.status == 200  # the router stays in its Service at zero
+
+            # --- one request: held, 0 → 1, answered -------------------------------------
+            first_pod = {e.pod for e in sim.events}
+            sent_at = time.time()
+            status, body, cold = await complete(session, base)
+            assert status == 200, body
+            assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
+            assert replicas(k8s) == 1
+            metrics = router.metrics.registry
+            assert metrics.get_sample_value("kvfleet_router_cold_starts_total") == 1
+            ready_after = metrics.get_sample_value("kvfleet_router_cold_start_seconds_sum")
+            status, body, warm = await complete(session, base)
+            assert status == 200, body
+            woke = time.monotonic()
+            # The timeline of the woken pod, from the kubelet simulator's events.
+            (woken,) = {e.pod for e in sim.events} - first_pod
+            at = {e.what: e.at - sent_at for e in sim.events if e.pod == woken}
+            pod_started, pod_ready = at["started"], at["ready"]
+            # The same pod start, before: the first pod, from its own start to Ready.
+            first = {e.what: e.at for e in sim.events if e.pod in first_pod}
+            first_start_to_ready = first["ready"] - first["started"]
+
+            # --- the activator's replica is kept for a whole idle period, then goes -------
+            await eventually(lambda: replicas(k8s) == 0, timeout=IDLE + 4 * POLL + 5)
+            kept = time.monotonic() - woke
+            assert kept >= IDLE - POLL, f"the woken replica went after {kept:.1f}s"
+            assert len(events(k8s, "ScaledToZero")) == 2
+            sim.raise_on_task_error()
+        finally:
+            await server.close()
+    with capsys.disabled():
+        print(
+            f"\nscale to zero (kubelet sim, tiny random Llama, shared 2-core host): "
+            f"idle → 0 replicas {idle_to_zero:.1f} s after the last request "
+            f"(scaleToZeroAfterSeconds {IDLE}, poll {POLL} s); cold start: first request "
+            f"answered in {cold:.2f} s: pod process started +{pod_started:.2f} s, pod Ready "
+            f"+{pod_ready:.2f} s, router saw a ready replica +{ready_after:.2f} s; the first "
+            f"pod's own start → Ready took {first_start_to_ready:.2f} s; warm requests "
+            f"{warm_first:.2f} s before, {warm:.2f} s after"
+        )
