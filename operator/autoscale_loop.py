@@ -353,6 +353,9 @@ async def poll_once(
             scale_deployment, api, namespace, name, current, decision.desired
         )
         if scaled:
+            # The clock remembers the count after this poll: a scale-up from the 0 written
+            # here, before the next poll, is then still seen as one (idle.py).
+            state.idle = dataclasses.replace(state.idle, replicas=decision.desired)
             state.last_scale_time = c.now_rfc3339()
             reason = SCALED_UP if decision.direction == "up" else SCALED_DOWN
             if decision.desired == 0:

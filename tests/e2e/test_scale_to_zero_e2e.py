@@ -145,7 +145,7 @@ async def test_idle_goes_to_zero_and_one_request_brings_it_back(
                 timeout=5,
             )
             assert auto["status"] == "True" and "activator" in auto["message"]
-            (event,) = events(k8s, "ScaledToZero")
+            (event,) = await eventually(lambda: events(k8s, "ScaledToZero"), timeout=5)
             assert f"scaleToZeroAfterSeconds {IDLE}" in event["message"]
             await eventually(lambda: not router.pool.replicas, timeout=5)
             async with session.get(f"{base}/health") as resp:
@@ -155,7 +155,10 @@ async def test_idle_goes_to_zero_and_one_request_brings_it_back(
             first_pod = {e.pod for e in sim.events}
             sent_at = time.time()
             status, body, cold = await complete(session, base)
-            assert status == 200, body
+            assert status == 200, (
+                f"{body}; Deployment replicas {replicas(k8s)}; pool {router.pool.replicas}; "
+                f"pods {[(e.pod, e.what, round(e.at - sent_at, 2)) for e in sim.events]}"
+            )
             assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
             assert replicas(k8s) == 1
             metrics = router.metrics.registry
@@ -176,7 +179,7 @@ async def test_idle_goes_to_zero_and_one_request_brings_it_back(
             await eventually(lambda: replicas(k8s) == 0, timeout=IDLE + 4 * POLL + 5)
             kept = time.monotonic() - woke
             assert kept >= IDLE - POLL, f"the woken replica went after {kept:.1f}s"
-            assert len(events(k8s, "ScaledToZero")) == 2
+            await eventually(lambda: len(events(k8s, "ScaledToZero")) == 2, timeout=5)
             sim.raise_on_task_error()
         finally:
             await server.close()
