@@ -11,6 +11,7 @@ not removed under it, and once idle again the service goes back to 0.
 
 from __future__ import annotations
 
+import random
 import time
 
 import aiohttp
@@ -37,7 +38,10 @@ MAX_TOKENS = 8
 
 @pytest.fixture
 def sim_port() -> int:
-    return choose_port(pod_ips(2))
+    # Not the runtime's 8000 that other kubelet-sim tests prefer, nor an ephemeral port: at zero
+    # replicas the port is free for a while, and a test beside this one (a shared host) that
+    # took it on the same loopback IP would make the woken pod fail to bind.
+    return choose_port(pod_ips(2), preferred=random.randrange(20000, 30000))
 
 
 @pytest.fixture
