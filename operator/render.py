@@ -19,6 +19,7 @@ from kvfleet import contract
 
 MANAGED_BY = "kvfleet-operator"
 APP_NAME = "kvfleet"
+ROUTER_APP_NAME = "kvfleet-router"
 COMPONENT = "inference"
 CONTAINER_NAME = "runtime"
 DOWNLOAD_CONTAINER_NAME = "model-download"
@@ -45,6 +46,12 @@ _DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 def selector_labels(name: str) -> dict[str, str]:
     """The labels that select an InferenceService's pods (immutable on a Deployment)."""
     return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    """The labels that select an InferenceService's router pods (render_router.py): their own
+    app name, so nothing that selects the runtime pods ever counts a router pod."""
+    return {"app.kubernetes.io/name": ROUTER_APP_NAME, "app.kubernetes.io/instance": name}
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -405,9 +412,12 @@ def render_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def render_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """The ClusterIP Service: port 80 to the runtime's port on ready pods."""
+    """The ClusterIP Service clients use: port 80 to the runtime's port on ready pods, or to
+    the kvfleet router's pods while `spec.router` runs one (the URL stays the same)."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
+    routed = parse_spec(isvc.get("spec") or {}).router.kvfleet
+    selector = router_selector_labels(name) if routed else selector_labels(name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -419,7 +429,7 @@ def render_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
         },
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": selector,
             "ports": [
                 {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],

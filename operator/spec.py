@@ -173,6 +173,41 @@ class AutoscalingSpec:
         return self
 
 
+ROUTER_MODES: tuple[str, ...] = ("kvfleet", "inferencePool")
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointPickerRef:
+    """`spec.router.endpointPickerRef`: GIE's endpoint picker Service an InferencePool names."""
+
+    name: str
+    port: int = 9002
+    failure_mode: str = "FailClose"
+
+
+@dataclass(slots=True, frozen=True)
+class RouterSpec:
+    """`spec.router`: `kvfleet router` in front of the replicas, or a GIE InferencePool."""
+
+    enabled: bool = False
+    mode: str = "kvfleet"
+    replicas: int = 1
+    cpu: str = "250m"
+    memory: str = "256Mi"
+    extra_args: tuple[str, ...] = ()
+    endpoint_picker_ref: EndpointPickerRef | None = None
+
+    @property
+    def kvfleet(self) -> bool:
+        """Whether the operator runs `kvfleet router` pods."""
+        return self.enabled and self.mode == "kvfleet"
+
+    @property
+    def inference_pool(self) -> bool:
+        """Whether the operator renders an InferencePool."""
+        return self.enabled and self.mode == "inferencePool"
+
+
 @dataclass(slots=True, frozen=True)
 class InferenceServiceSpec:
     """The whole spec, defaults applied."""
@@ -198,6 +233,7 @@ class InferenceServiceSpec:
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
     pod_labels: Mapping[str, str] = field(default_factory=dict)
+    router: RouterSpec = field(default_factory=RouterSpec)
 
 
 def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
@@ -299,6 +335,42 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
     )
 
 
+def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
+    """Parse a raw `spec.router` dict; SpecError naming the field for a wrong type or value."""
+    p = "spec.router"
+    d = RouterSpec()
+    mode = _get(raw, "mode", str, d.mode, p)
+    if mode not in ROUTER_MODES:
+        raise SpecError(f"{p}.mode", f"must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
+    extra = _get(raw, "extraArgs", list, [], p)
+    if not all(isinstance(a, str) for a in extra):
+        raise SpecError(f"{p}.extraArgs", "must be a list of strings")
+    ref = None
+    if raw.get("endpointPickerRef") is not None:
+        section = _section(raw, "endpointPickerRef", p)
+        rp = f"{p}.endpointPickerRef"
+        name = _get(section, "name", str, "", rp)
+        if not name:
+            raise SpecError(f"{rp}.name", "is required (the endpoint picker's Service)")
+        ref = EndpointPickerRef(
+            name=name,
+            port=_get(section, "port", int, 9002, rp),
+            failure_mode=_get(section, "failureMode", str, "FailClose", rp),
+        )
+    router = RouterSpec(
+        enabled=_get(raw, "enabled", bool, d.enabled, p),
+        mode=mode,
+        replicas=_get(raw, "replicas", int, d.replicas, p),
+        cpu=_quantity(raw, "cpu", d.cpu, p),
+        memory=_quantity(raw, "memory", d.memory, p),
+        extra_args=tuple(extra),
+        endpoint_picker_ref=ref,
+    )
+    if router.inference_pool and ref is None:
+        raise SpecError(f"{p}.endpointPickerRef", "is required when mode is inferencePool")
+    return router
+
+
 def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     """Parse a raw `spec` dict, filling the CRD's defaults; raises SpecError naming the field."""
     p = "spec"
@@ -382,4 +454,5 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
         topology_spread_constraints=lists["topologySpreadConstraints"],
         volumes=lists["volumes"],
         volume_mounts=lists["volumeMounts"],
+        router=parse_router(_section(raw, "router", p)),
     )

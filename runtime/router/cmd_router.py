@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Kubernetes discovery",
         "the replicas are the Ready pods matching a label selector, listed from the API server "
         "every --discover-interval seconds (in a pod: its service account, which needs "
-        "get/list/watch on pods in that namespace)",
+        "list on pods in that namespace)",
     )
     k.add_argument(
         "--discover-selector",

@@ -9,7 +9,7 @@ router outside the cluster with `kubectl proxy`).
 
 Pods, not EndpointSlices: a pod's Ready condition is what the kubelet's readiness probe on
 /health set, the same signal the router's own scrape reads, and listing pods needs one Role
-rule (get/list/watch pods) in one namespace.
+rule (list pods) in one namespace.
 
 Interface (also for the scale-from-zero activator): `PodDiscovery(settings).poll(session)`
 returns the replica URLs now; `run(pool, session)` keeps `pool` in step until cancelled and

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -35,6 +36,15 @@ from operator_processes import (
 from rbac_authorizer import Access, Authorizer, NonResourceAccess, request_accesses
 
 PDB = "policy/v1/poddisruptionbudgets"
+INFERENCE_POOL = "inference.networking.k8s.io/v1/inferencepools"
+POOL_CRD = Path(__file__).parent / "crds" / "inferencepools.inference.networking.k8s.io.yaml"
+ROUTER_CHILDREN = [
+    (DEPLOYMENT, "chat-router"),
+    (SERVICE, "chat-replicas"),
+    ("v1/serviceaccounts", "chat-router"),
+    ("rbac.authorization.k8s.io/v1/roles", "chat-router"),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "chat-router"),
+]
 NAMESPACE = "v1/namespaces"
 NAME = "chat"
 PODS = ("chat-a", "chat-b")
@@ -144,6 +154,18 @@ async def everything_the_operator_does(
     k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(replicas=1))
     await eventually(lambda: k8s.get(PDB, namespace, NAME) is None, timeout=20)
 
+    # spec.router: the kvfleet router's children, then GIE's InferencePool instead, then off.
+    k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(router={"enabled": True}))
+    for resource, child in ROUTER_CHILDREN:
+        await eventually(lambda r=resource, c=child: k8s.get(r, namespace, c), timeout=20)
+    pool = {"enabled": True, "mode": "inferencePool", "endpointPickerRef": {"name": "epp"}}
+    k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(router=pool))
+    await eventually(lambda: k8s.get(INFERENCE_POOL, namespace, NAME), timeout=20)
+    for resource, child in ROUTER_CHILDREN:
+        await eventually(lambda r=resource, c=child: k8s.get(r, namespace, c) is None, timeout=20)
+    k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(router={"enabled": False}))
+    await eventually(lambda: k8s.get(INFERENCE_POOL, namespace, NAME) is None, timeout=20)
+
     autoscaling = {
         "enabled": True,
         "minReplicas": 1,
@@ -181,6 +203,7 @@ async def test_rbac_allows_every_request_and_grants_nothing_unused(cluster, prom
     render, namespaces = INSTALLS[install]
     args, env, objects = render()
     k8s = cluster.kube.emulator
+    k8s.install_crd(POOL_CRD)  # a cluster with GIE: the operator may make InferencePools
     for namespace in {*namespaces, RELEASE_NS, "default"}:  # what a cluster already has
         k8s.create_object(NAMESPACE, {"metadata": {"name": namespace}})
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from builtin_schemas import chart_minimum_kubernetes
 from crd_schema import CrdSchema
-from kvfleet.operator.spec import AutoscalingSpec, ResourcesSpec, RuntimeSpec
+from kvfleet.operator.spec import AutoscalingSpec, ResourcesSpec, RouterSpec, RuntimeSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml"
@@ -125,12 +125,23 @@ def camel(name: str) -> str:
 
 @pytest.mark.parametrize("section,cls", [
     ("runtime", RuntimeSpec), ("resources", ResourcesSpec), ("autoscaling", AutoscalingSpec),
+    ("router", RouterSpec),
 ])  # fmt: skip
 def test_operator_defaults_equal_the_crd_defaults(section, cls):
     ours = {camel(f.name): getattr(cls(), f.name) for f in dataclasses.fields(cls)}
     for key, value in schema_defaults(section).items():
         theirs = ours[key]
         assert (list(theirs) if isinstance(theirs, tuple) else theirs) == value, key
+
+
+def test_endpoint_picker_defaults_equal_the_crd_defaults():
+    from kvfleet.operator.spec import EndpointPickerRef
+
+    props = schema_defaults("router")
+    ref = SCHEMA["properties"]["spec"]["properties"]["router"]["properties"]["endpointPickerRef"]
+    assert props["mode"] == "kvfleet" and props["enabled"] is False
+    assert ref["properties"]["port"]["default"] == EndpointPickerRef("e").port
+    assert ref["properties"]["failureMode"]["default"] == EndpointPickerRef("e").failure_mode
 
 
 def test_model_cache_defaults_equal_the_crd_defaults():
