@@ -79,7 +79,16 @@ def router_args(spec: InferenceServiceSpec, name: str, namespace: str) -> list[s
         "--discover-namespace", namespace,
         "--discover-port", str(contract.RUNTIME_PORT),
     ]  # fmt: skip
+    if wakes_from_zero(spec):
+        # Scale to zero: the router's activator holds the first request and scales the
+        # runtime Deployment 0 -> 1 (runtime/router/activator.py).
+        args += ["--activate-deployment", name]
     return args + list(spec.router.extra_args)
+
+
+def wakes_from_zero(spec: InferenceServiceSpec) -> bool:
+    """Whether the router must wake the replicas: the autoscaler may scale them to zero."""
+    return spec.router.kvfleet and spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0
 
 
 def render_router_deployment(
@@ -179,12 +188,24 @@ def render_router_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def render_router_role(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """Listing pods in this namespace: all `kvfleet router --discover-selector` does."""
+    """Listing pods in this namespace: all `kvfleet router --discover-selector` does; with scale
+    to zero also reading and patching the runtime Deployment's scale (that one only)."""
+    name = isvc["metadata"]["name"]
+    rules: list[dict[str, Any]] = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    if wakes_from_zero(parse_spec(isvc.get("spec") or {})):
+        rules.append(
+            {
+                "apiGroups": ["apps"],
+                "resources": ["deployments/scale"],
+                "resourceNames": [name],
+                "verbs": ["get", "patch"],
+            }
+        )
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": _meta(isvc, router_name(isvc["metadata"]["name"])),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+        "metadata": _meta(isvc, router_name(name)),
+        "rules": rules,
     }
 
 

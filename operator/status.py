@@ -93,13 +93,17 @@ def _zero_message(isvc: Mapping[str, Any]) -> str:
     """Why there are no replicas: idle under scale to zero (the next request starts one), or
     spec.replicas 0 (nothing starts one). health.lua tells them apart by the spec too."""
     try:
-        auto = parse_spec(isvc.get("spec") or {}).autoscaling
+        spec = parse_spec(isvc.get("spec") or {})
     except SpecError:
         return "spec.replicas is 0"
+    auto = spec.autoscaling
     if auto.enabled and auto.min_replicas == 0:
+        idle = f"idle: no requests for scaleToZeroAfterSeconds ({auto.scale_to_zero_after_seconds}s)"
+        if spec.router.kvfleet:
+            return f"{idle}; the router starts a replica on the next request"
         return (
-            f"idle: no requests for scaleToZeroAfterSeconds ({auto.scale_to_zero_after_seconds}s); "
-            "the router starts a replica on the next request"
+            f"{idle}; nothing starts one on a request: spec.router is not the kvfleet router "
+            "(scale up by hand, or enable it)"
         )
     return "spec.replicas is 0"
 

@@ -183,3 +183,32 @@ def test_a_bad_router_spec_names_the_field(router, field):
     with pytest.raises(SpecError) as info:
         parse_spec({"model": {"uri": "bundled"}, "router": router})
     assert info.value.field == field
+
+
+def test_with_scale_to_zero_the_router_wakes_the_runtime_deployment_and_may_scale_it():
+    import argparse
+
+    from kvfleet.runtime.router.cmd_router import activator_from_args
+
+    auto = {"enabled": True, "minReplicas": 0, "maxReplicas": 3}
+    obj = isvc(autoscaling=auto)
+    (c,) = render_router_deployment(obj)["spec"]["template"]["spec"]["containers"]
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    activator = activator_from_args(p.parse_args(c["args"]))  # flags the router accepts
+    assert (activator.deployment, activator.namespace) == ("chat", "ml")
+    role = render_router_role(obj)
+    assert role["rules"][1] == {
+        "apiGroups": ["apps"],
+        "resources": ["deployments/scale"],
+        "resourceNames": ["chat"],  # the runtime Deployment only
+        "verbs": ["get", "patch"],
+    }
+    validate(copy.deepcopy(role), K8S_VERSION, strict=True)
+    # minReplicas 1 (or autoscaling off): no activator, no scale permission.
+    for other in ({**auto, "minReplicas": 1}, {**auto, "enabled": False}):
+        (c,) = render_router_deployment(isvc(autoscaling=other))["spec"]["template"]["spec"][
+            "containers"
+        ]
+        assert "--activate-deployment" not in c["args"]
+        assert len(render_router_role(isvc(autoscaling=other))["rules"]) == 1

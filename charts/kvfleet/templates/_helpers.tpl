@@ -72,6 +72,12 @@ both ways); manifests/rbac.yaml holds the same rules (tests/deploy compares them
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [create, patch, delete]
+# Scale to zero: the router's Role may read and patch the runtime Deployment's scale (its
+# activator wakes it, 0 -> 1). A Role grants only what its creator holds, so the operator
+# holds these too; it never uses them itself.
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [get, patch]
 # spec.router (mode inferencePool): GIE's InferencePool, where its CRD is installed.
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
