@@ -27,6 +27,7 @@ The router's ServiceAccount needs `get` and `patch` on `deployments/scale` in it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -227,13 +228,26 @@ class Activator:
         self.metrics.held.set(self.held)
         try:
             if self._waker is None or self._waker.done():
-                self._waker = asyncio.create_task(self._wake(session))
+                self._waker = asyncio.create_task(self._wake_logged(session))
             if not await self.pool.wait_for_healthy(self.settings.timeout):
                 self.metrics.activator_refused.labels("timeout").inc()
                 raise timeout_error(self.settings.timeout, self.problem)
         finally:
             self.held -= 1
             self.metrics.held.set(self.held)
+
+    async def close(self) -> None:
+        """Stop a cold start in progress (the router is stopping)."""
+        if self._waker is not None and not self._waker.done():
+            self._waker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._waker
+
+    async def _wake_logged(self, session: aiohttp.ClientSession) -> None:
+        try:
+            await self._wake(session)
+        except Exception:  # a bug here must not go unseen; the next held request retries
+            log.exception("the activator's scale from zero failed")
 
     async def _wake(self, session: aiohttp.ClientSession) -> None:
         """One cold start: scale from zero (again each RECHECK_S while requests are held and

@@ -89,6 +89,8 @@ class Router:
         )
 
     async def _stop(self, app: web.Application) -> None:
+        if self.activator is not None:
+            await self.activator.close()
         for task in (self._discoverer, self._scraper):
             if task is not None:
                 task.cancel()
