@@ -341,7 +341,9 @@ async def test_an_idle_service_scales_to_zero_and_says_so(operator, fake_pods, p
     # minReplicas 0: starts with one replica; busy (a request finishes each poll) it stays;
     # once nothing happens for scaleToZeroAfterSeconds it goes to 0, with an Event and status.
     k8s = operator.emulator
-    k8s.create_object(ISVC, autoscaled(minReplicas=0, scaleToZeroAfterSeconds=3))
+    obj = autoscaled(minReplicas=0, scaleToZeroAfterSeconds=3)
+    obj["spec"]["router"] = {"enabled": True}  # the router that wakes it on a request
+    k8s.create_object(ISVC, obj)
     await eventually(lambda: replicas(k8s) == 1)
     add_pod(k8s, "chat", "chat-a", IPS[0])
 
