@@ -240,9 +240,9 @@ def test_operator_rbac_is_least_privilege():
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
-    # Children go by garbage collection; only the budget is deleted, when replicas go down to
-    # one (test_rbac_coverage.py holds every verb against a real run)...
-    # ...and the router's children when spec.router is turned off.
+    # Children go by garbage collection; deleted are only the budget, when replicas go down to
+    # one, and the router's children, when spec.router is turned off or changes mode.
+    # (test_rbac_coverage.py holds every verb against a real run.)
     assert {k for k, v in verbs.items() if "delete" in v} == {
         ("policy", "poddisruptionbudgets"),
         ("apps", "deployments"),
@@ -252,6 +252,9 @@ def test_operator_rbac_is_least_privilege():
         ("rbac.authorization.k8s.io", "rolebindings"),
         ("inference.networking.k8s.io", "inferencepools"),
     }
+    # It grants the router `list pods` in a Role: no escalate or bind, so it may grant only
+    # what it holds itself.
+    assert not any({"escalate", "bind"} & v for v in verbs.values())
     # Held only to grant it to the router's Role (scale to zero); never written otherwise.
     assert verbs[("apps", "deployments/scale")] == {"get", "patch"}
     assert "*" not in str(role["rules"])

@@ -186,7 +186,7 @@ async def fakes_on_pod_ips(*names: str) -> AsyncIterator[tuple[list[FakeReplica]
     from kvfleet.operator.kubelet_sim import choose_port, pod_ips
 
     ips = pod_ips(len(names))
-    port = choose_port(ips)
+    port = choose_port(ips, preferred=0)
     fakes = [FakeReplica(n) for n in names]
     runners = []
     try:
