@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from kvfleet.runtime.models.config import ModelConfig
 from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.tp_group import TPGroup
 
 # Special ids of the bundled tokenizer (SmolLM2): <|im_start|> is bos, <|im_end|> is eos.
 _BOS, _EOS = 1, [2]
@@ -97,11 +98,17 @@ def init_random_weights(model: LlamaModel, seed: int = 0) -> None:
 
 
 def build_random_model(
-    model: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Our model in the shape `random:<name>` names, randomly initialised."""
+    """Our model in the shape `random:<name>` names, randomly initialised. A tensor-parallel
+    shard draws its own values (seeded by rank): not a slice of the one-rank model's, which
+    throughput, the only use of random weights, does not notice."""
     config = random_model_config(model)
-    net = LlamaModel(config, dtype=dtype, device=device)
-    init_random_weights(net, seed)
+    net = LlamaModel(config, dtype=dtype, device=device, tp=tp)
+    init_random_weights(net, seed + (tp.rank if tp is not None else 0))
     net.eval()
     return net, config
