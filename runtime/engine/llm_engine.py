@@ -132,9 +132,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill),
             self.kv,
         )
-        self.runner = ModelRunner(
-            self.model, mc, self.kv, self.kv_dtype, self.device, self.workers
-        )
+        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device, self.workers)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -176,7 +174,9 @@ class LLMEngine:
             )
         random_model = config.model.startswith(RANDOM_PREFIX)
         # Resolved once here (a GGUF converted, a Hub model downloaded): workers get the folder.
-        folder = None if random_model else resolve_model(config.model, config.revision, config.hf_token)
+        folder = (
+            None if random_model else resolve_model(config.model, config.revision, config.hf_token)
+        )
         source = config.model if random_model else str(folder)
         mc = model_config_of(source)
         check_tensor_parallel_size(mc.num_heads, mc.num_kv_heads, size)
@@ -194,7 +194,9 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             block_size=config.block_size,
-            kv_cache_memory=self._kv_budget() if self.device.type == "cpu" else config.kv_cache_memory,
+            kv_cache_memory=self._kv_budget()
+            if self.device.type == "cpu"
+            else config.kv_cache_memory,
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             num_threads=torch.get_num_threads(),
             store_port=store.port,

@@ -7,6 +7,7 @@ the KV cache, which rank 0's block tables index exactly as they index rank 0's o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from multiprocessing.connection import Connection
@@ -21,7 +22,7 @@ def kv_blocks_for(
     return budget // (2 * num_layers * num_kv_heads * head_dim * elem * block_size)
 
 
-def run_worker(rank: int, spec, conn: Connection) -> None:  # noqa: ANN001 (WorkerSpec)
+def run_worker(rank: int, spec, conn: Connection) -> None:
     """The process's entry point (spawned by `tp_workers.TPWorkers`)."""
     logging.basicConfig(
         level=spec.log_level,
@@ -32,10 +33,8 @@ def run_worker(rank: int, spec, conn: Connection) -> None:  # noqa: ANN001 (Work
         model, caches, device = _load(rank, spec, conn)
     except Exception as exc:  # told to rank 0, which names this rank in its own error
         log.exception("could not load the shard")
-        try:
+        with contextlib.suppress(OSError):
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
         sys.exit(1)
     if model is None:  # rank 0 went away before the start
         return
@@ -48,7 +47,7 @@ def run_worker(rank: int, spec, conn: Connection) -> None:  # noqa: ANN001 (Work
         sys.exit(1)
 
 
-def _load(rank: int, spec, conn: Connection):  # noqa: ANN001, ANN202
+def _load(rank: int, spec, conn: Connection):
     from datetime import timedelta
 
     import torch
@@ -116,7 +115,7 @@ def _load(rank: int, spec, conn: Connection):  # noqa: ANN001, ANN202
     return model, caches, device
 
 
-def _serve_steps(model, caches, device, conn: Connection) -> None:  # noqa: ANN001
+def _serve_steps(model, caches, device, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
     from kvfleet.runtime.engine.model_runner import forward_step

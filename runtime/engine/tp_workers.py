@@ -14,6 +14,7 @@ every collective; the NCCL path is the same code and has not been run on a GPU y
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -188,10 +189,8 @@ class TPWorkers:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask every worker to leave, wait a while, then stop the ones that did not."""
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):  # already gone
                 conn.send(("stop",))
-            except OSError:
-                pass  # already gone
         for proc in self.procs:
             proc.join(timeout_s)
             if proc.is_alive():

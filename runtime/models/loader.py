@@ -226,9 +226,7 @@ def load_weights(
     full_q, full_kv = cfg.num_heads * d, cfg.num_kv_heads * d
 
     with torch.no_grad():
-        model.embed_tokens.copy_(
-            read("model.embed_tokens.weight", (cfg.vocab_size, h), lay.vocab)
-        )
+        model.embed_tokens.copy_(read("model.embed_tokens.weight", (cfg.vocab_size, h), lay.vocab))
         model.norm.copy_(read("model.norm.weight", (h,)))
         if not cfg.tie_word_embeddings:
             model.lm_head.copy_(read("lm_head.weight", (cfg.vocab_size, h), lay.vocab))
@@ -256,9 +254,7 @@ def load_weights(
                 read(f"{p}mlp.down_proj.weight", (h, inter), None, lay.intermediate)
             )
             layer.input_layernorm.copy_(read(f"{p}input_layernorm.weight", (h,)))
-            layer.post_attention_layernorm.copy_(
-                read(f"{p}post_attention_layernorm.weight", (h,))
-            )
+            layer.post_attention_layernorm.copy_(read(f"{p}post_attention_layernorm.weight", (h,)))
 
 
 def load_model(

@@ -51,4 +51,6 @@ class TPGroup:
             return None
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.gather(local, parts, dst=0)
-        return torch.cat([p[:, : b - a] for p, (a, b) in zip(parts, self._vocab_ranges, strict=True)], 1)
+        return torch.cat(
+            [p[:, : b - a] for p, (a, b) in zip(parts, self._vocab_ranges, strict=True)], 1
+        )
