@@ -397,7 +397,13 @@ class LLMEngine:
         if not batch:
             return []
         self.counters.steps += 1
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            # A collective that failed because a worker died says so in gloo's or NCCL's words;
+            # name the rank instead.
+            self.check_health()
+            raise exc
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r, entries in result.prompt_logprobs:
