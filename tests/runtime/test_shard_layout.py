@@ -121,3 +121,45 @@ def test_the_flag_reaches_the_engine_config() -> None:
     add_engine_args(parser)
     args = parser.parse_args(["--tensor-parallel-size", "2"])
     assert engine_config_from_args(args).tensor_parallel_size == 2
+
+
+def _slice_of_full(leaf: str, f, lay, cfg):
+    """What a shard's parameter `leaf` must hold, cut from the full model's tensor `f`."""
+    import torch
+
+    d, inter = cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    (q0, q1), (k0, k1), (i0, i1) = lay.q_heads, lay.kv_heads, lay.intermediate
+    if leaf == "embed_tokens":
+        return f[lay.vocab[0] : lay.vocab[1]]
+    if leaf == "qkv_proj":
+        return torch.cat(
+            [f[q0 * d : q1 * d], f[q + k0 * d : q + k1 * d], f[q + kv + k0 * d : q + kv + k1 * d]]
+        )
+    if leaf == "o_proj":
+        return f[:, q0 * d : q1 * d]
+    if leaf == "gate_up_proj":
+        return torch.cat([f[i0:i1], f[inter + i0 : inter + i1]])
+    if leaf == "down_proj":
+        return f[:, i0:i1]
+    return f  # norms: replicated
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_sharded_random_model_holds_slices_of_the_one_process_model(size: int) -> None:
+    """random:* shards draw the values of their slice of the full model, so a benchmark's
+    sharded and one-process engines run the same model (and must agree on greedy tokens)."""
+    import torch
+    from kvfleet.runtime.models.random_models import build_random_model
+    from kvfleet.runtime.models.tp_group import TPGroup
+
+    full, cfg = build_random_model("random:tiny", torch.float32, "cpu")
+    whole = dict(full.named_parameters())
+    for rank in range(size):
+        lay = shard_layout(
+            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size, size, rank
+        )
+        net, _ = build_random_model("random:tiny", torch.float32, "cpu", tp=TPGroup(lay))
+        for name, p in net.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            assert torch.equal(p, _slice_of_full(leaf, whole[name], lay, cfg)), (name, rank)

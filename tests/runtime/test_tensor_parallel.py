@@ -142,3 +142,22 @@ def server_model(server) -> str:
     from server_fixtures import request
 
     return request(server.port, "GET", "/v1/models").json()["data"][0]["id"]
+
+
+def test_bench_tensor_parallel_reports_both_engines_and_the_same_tokens(tmp_path: Path) -> None:
+    import json
+
+    from kvfleet.runtime.cli import main
+
+    out = tmp_path / "tp.json"
+    argv = ["bench", "tensor-parallel", "--model", "random:tiny", "--dtype", "float32"]
+    argv += ["--rounds", "2", "--num-prompts", "2", "--prompt-len", "16", "--new-tokens", "4"]
+    argv += ["--kv-cache-memory", "64MiB", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["same_greedy_tokens"] is True
+    assert result["tensor_parallel_size"] == 2 and len(result["rounds"]) == 2
+    assert set(result["median"]) == {
+        "tp1_prefill_s", "tp1_decode_ms", "tp2_prefill_s", "tp2_decode_ms"
+    }  # fmt: skip
+    assert all(v > 0 for v in result["median"].values())
