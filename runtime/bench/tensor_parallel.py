@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -70,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
     one_threads = config.num_threads or cores
     rank_threads = threads_per_rank(cores, size, config.num_threads)
     sharded = LLM(config)
-    single = LLM(dataclasses.replace(config, tensor_parallel_size=1, num_threads=one_threads))
+    try:
+        single = LLM(dataclasses.replace(config, tensor_parallel_size=1, num_threads=one_threads))
+    except BaseException:
+        sharded.close()
+        raise
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(10, 40000, (args.prompt_len,), generator=g).tolist()
@@ -106,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "same_greedy_tokens": same,
+        # A shared host's load changes these figures more than anything measured here.
+        "load_average_1m_at_end": os.getloadavg()[0],
         "median": medians,
         "rounds": rounds,
     }
