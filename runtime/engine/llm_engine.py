@@ -64,13 +64,20 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.workers: TPWorkers | None = None  # the other tensor-parallel ranks, if any
+        try:
+            self._build(config, observer)
+        except BaseException:
+            self.close()  # workers started before the failure must not outlive it
+            raise
+
+    def _build(self, config: EngineConfig, observer: EngineObserver | None) -> None:
         from kvfleet.runtime.models.loader import load_model, load_tokenizer, resolve_tokenizer
 
         self.config = config
         self.observer = observer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.workers: TPWorkers | None = None  # the other tensor-parallel ranks, if any
         tp_size = config.tensor_parallel_size
         if tp_size > 1:
             torch.set_num_threads(threads_per_rank(usable_cores(), tp_size, config.num_threads))
@@ -204,18 +211,14 @@ class LLMEngine:
             seed=config.seed,
             log_level=logging.getLogger().getEffectiveLevel(),
         )
-        self.workers = TPWorkers(spec)
-        try:
-            model, mc, _ = load_model(source, self.dtype, self.device, tp=TPGroup(layout))
-            model.prepack()
-            per_token = kv_bytes_per_token(mc, self.kv_dtype, layout.num_kv_heads)
-            own = self._kv_budget() // (per_token * config.block_size)
-            num_blocks = min([own, *self.workers.wait_loaded()])
-            self.workers.start(num_blocks)
-            init_process_group(spec, 0, store)
-        except BaseException:
-            self.close()
-            raise
+        self.workers = TPWorkers(spec)  # a failure from here on closes them (__init__)
+        model, mc, _ = load_model(source, self.dtype, self.device, tp=TPGroup(layout))
+        model.prepack()
+        per_token = kv_bytes_per_token(mc, self.kv_dtype, layout.num_kv_heads)
+        own = self._kv_budget() // (per_token * config.block_size)
+        num_blocks = min([own, *self.workers.wait_loaded()])
+        self.workers.start(num_blocks)
+        init_process_group(spec, 0, store)
         log.info(
             "tensor parallel: %d ranks (%s), rank 0 holds %d of %d query heads and %d of %d "
             "KV heads; worker pids %s",

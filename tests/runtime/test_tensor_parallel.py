@@ -161,3 +161,19 @@ def test_bench_tensor_parallel_reports_both_engines_and_the_same_tokens(tmp_path
         "tp1_prefill_s", "tp1_decode_ms", "tp2_prefill_s", "tp2_decode_ms"
     }  # fmt: skip
     assert all(v > 0 for v in result["median"].values())
+
+
+def test_a_start_that_fails_after_the_workers_started_leaves_no_worker_behind(
+    tiny_llama_dir: Path,
+) -> None:
+    import multiprocessing
+
+    import torch.distributed as dist
+    from kvfleet.runtime.engine.config import ConfigError
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    # The KV budget is checked once every rank has loaded: too small for max_model_len.
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **_options(kv_cache_memory="64KiB"))
+    assert {p.pid for p in multiprocessing.active_children()} == before
+    assert not dist.is_initialized()
