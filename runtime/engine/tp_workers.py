@@ -31,6 +31,13 @@ COLLECTIVE_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 1800.0
 
 
+# The usual reason a spawned worker dies before running any of kvfleet's code.
+SPAWN_HINT = (
+    "see its error above; a Python script that builds LLM(..., tensor_parallel_size=N) "
+    "must do so under `if __name__ == '__main__':` (workers are spawned and import the script)"
+)
+
+
 class TPWorkerError(RuntimeError):
     """A tensor-parallel worker failed to start, failed to load or died; the engine cannot
     run a step without it."""
@@ -143,12 +150,20 @@ class TPWorkers:
                 )
             for i, conn in list(pending.items()):
                 if conn in ready:
-                    msg = self._recv(i)
+                    try:
+                        msg = self._recv(i)
+                    except TPWorkerError as exc:  # gone without a word: it never ran our code
+                        raise TPWorkerError(
+                            f"{exc} before loading its shard; {SPAWN_HINT}"
+                        ) from None
                     if msg[0] == "error":
                         raise TPWorkerError(f"tensor-parallel rank {i + 1}: {msg[1]}")
                     blocks[i] = int(msg[1])
                     del pending[i]
-            self.check_alive()
+            for i in pending:
+                why = self._death(i)
+                if why is not None:  # died before it could even report an error
+                    raise TPWorkerError(f"{why} before loading its shard; {SPAWN_HINT}")
         return [blocks[i] for i in range(len(self.conns))]
 
     def start(self, num_blocks: int) -> None:

@@ -177,3 +177,38 @@ def test_a_start_that_fails_after_the_workers_started_leaves_no_worker_behind(
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **_options(kv_cache_memory="64KiB"))
     assert {p.pid for p in multiprocessing.active_children()} == before
     assert not dist.is_initialized()
+
+
+def test_a_script_without_the_main_guard_is_told_what_to_add(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from kvfleet.runtime import LLM\n"
+        "LLM('random:tiny', dtype='float32', tensor_parallel_size=2, kv_cache_memory='64MiB', "
+        "max_model_len=512)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "TPWorkerError: tensor-parallel rank 1" in done.stderr
+    assert "if __name__ == '__main__':" in done.stderr.splitlines()[-1]
+
+
+def test_serve_stops_its_workers_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from server_fixtures import start_server
+
+    server = start_server(tiny_llama_dir, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        server.wait_healthy()
+        pid = int(re.search(r"rank 1 started \(pid (\d+)\)", server.log()).group(1))
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the server"
+    finally:
+        server.terminate()
