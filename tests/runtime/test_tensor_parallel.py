@@ -1,5 +1,5 @@
-"""Tensor parallelism on CPU (gloo): the model sharded over 2 worker processes generates the
-same greedy tokens as one process, with logits within a measured tolerance; prompt logprobs
+"""Tensor parallelism on CPU (gloo): the model sharded over 2 ranks (this process and a spawned
+worker) generates the same greedy tokens as one process, with logits within a measured tolerance; prompt logprobs
 (which gather logits chunk by chunk on every rank) agree too; and a rank that dies surfaces as
 a clear error, never a hang."""
 
