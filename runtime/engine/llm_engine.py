@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from kvfleet.runtime.engine.config import ConfigError, EngineConfig
@@ -25,6 +27,19 @@ from kvfleet.runtime.engine.request_limits import RequestError, check_request
 from kvfleet.runtime.engine.sampler import Sampler
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.tp_workers import (
+    COLLECTIVE_TIMEOUT_S,
+    TPWorkers,
+    WorkerSpec,
+    backend_for,
+    init_process_group,
+    threads_per_rank,
+    usable_cores,
+)
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.models.config import ModelConfig
+    from kvfleet.runtime.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +64,39 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.workers: TPWorkers | None = None  # the other tensor-parallel ranks, if any
+        try:
+            self._build(config, observer)
+        except BaseException:
+            self.close()  # workers started before the failure must not outlive it
+            raise
+
+    def _build(self, config: EngineConfig, observer: EngineObserver | None) -> None:
         from kvfleet.runtime.models.loader import load_model, load_tokenizer, resolve_tokenizer
 
         self.config = config
         self.observer = observer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.num_threads:
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            torch.set_num_threads(threads_per_rank(usable_cores(), tp_size, config.num_threads))
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()  # steps reuse freed activations' pages instead of faulting in new
         torch.manual_seed(config.seed)
         # A wrong --tokenizer fails here, before seconds of weight loading.
         tokenizer_folder = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
-        self.model, self.model_config, folder = load_model(
-            config.model, self.dtype, self.device, config.revision, config.hf_token
-        )
-        self.model.prepack()
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if tp_size > 1:
+            self.model, self.model_config, folder, num_blocks = self._start_tensor_parallel()
+        else:
+            self.model, self.model_config, folder = load_model(
+                config.model, self.dtype, self.device, config.revision, config.hf_token
+            )
+            self.model.prepack()
+            num_blocks = -1  # from the budget, below
         self.model_folder = folder  # None for random:* models
         self.tokenizer = load_tokenizer(tokenizer_folder or folder or config.model)
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -88,10 +119,11 @@ class LLMEngine:
             )
         # A text prompt longer than this is refused before tokenizing (None: no such bound).
         self.max_prompt_chars = max_prompt_chars(self._backend_tokenizer, self.max_model_len)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        per_token = kv_bytes_per_token(mc, self.kv_dtype)
-        budget = self._kv_budget(per_token)
-        num_blocks = budget // (per_token * config.block_size)
+        # Per rank: its own KV heads (under tensor parallelism, a shard of them).
+        per_token = kv_bytes_per_token(mc, self.kv_dtype, self.model.layout.num_kv_heads)
+        budget = self._kv_budget()
+        if num_blocks < 0:
+            num_blocks = budget // (per_token * config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(
                 f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} tokens, "
@@ -107,7 +139,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device)
+        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device, self.workers)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -128,7 +160,95 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _kv_budget(self, per_token: int) -> int:
+    def _start_tensor_parallel(self) -> tuple[LlamaModel, ModelConfig, Path | None, int]:
+        """Start ranks 1..N-1, load rank 0's shard beside them, agree on the KV blocks every
+        rank can hold (the fewest any rank can) and join the process group."""
+        import torch.distributed as dist
+        from kvfleet.runtime.models.loader import (
+            RANDOM_PREFIX,
+            load_model,
+            model_config_of,
+            resolve_model,
+        )
+        from kvfleet.runtime.models.shard_layout import check_tensor_parallel_size, shard_layout
+        from kvfleet.runtime.models.tp_group import TPGroup
+
+        config, size = self.config, self.config.tensor_parallel_size
+        if dist.is_initialized():
+            raise ConfigError(
+                "tensor_parallel_size: this process already runs a tensor-parallel engine; "
+                "close it first (one per process)"
+            )
+        random_model = config.model.startswith(RANDOM_PREFIX)
+        # Resolved once here (a GGUF converted, a Hub model downloaded): workers get the folder.
+        folder = (
+            None if random_model else resolve_model(config.model, config.revision, config.hf_token)
+        )
+        source = config.model if random_model else str(folder)
+        mc = model_config_of(source)
+        check_tensor_parallel_size(mc.num_heads, mc.num_kv_heads, size)
+        layout = shard_layout(
+            mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size, size, 0
+        )
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        spec = WorkerSpec(
+            model=source,
+            size=size,
+            device_type=self.device.type,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            block_size=config.block_size,
+            kv_cache_memory=self._kv_budget()
+            if self.device.type == "cpu"
+            else config.kv_cache_memory,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+            num_threads=torch.get_num_threads(),
+            store_port=store.port,
+            timeout_s=COLLECTIVE_TIMEOUT_S,
+            seed=config.seed,
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        self.workers = TPWorkers(spec)  # a failure from here on closes them (__init__)
+        model, mc, _ = load_model(source, self.dtype, self.device, tp=TPGroup(layout))
+        model.prepack()
+        per_token = kv_bytes_per_token(mc, self.kv_dtype, layout.num_kv_heads)
+        own = self._kv_budget() // (per_token * config.block_size)
+        num_blocks = min([own, *self.workers.wait_loaded()])
+        self.workers.start(num_blocks)
+        init_process_group(spec, 0, store)
+        log.info(
+            "tensor parallel: %d ranks (%s), rank 0 holds %d of %d query heads and %d of %d "
+            "KV heads; worker pids %s",
+            size,
+            backend_for(self.device.type),
+            layout.num_q_heads,
+            mc.num_heads,
+            layout.num_kv_heads,
+            mc.num_kv_heads,
+            self.workers.pids(),
+        )
+        return model, mc, folder, num_blocks
+
+    def check_health(self) -> None:
+        """Raise TPWorkerError if a tensor-parallel worker has died (else nothing: a
+        one-process engine's health is its thread's)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (no-op without)."""
+        import torch.distributed as dist
+
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
             return int(self.config.kv_cache_memory)
         if self.device.type == "cuda":
@@ -275,11 +395,18 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.check_health()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         self.counters.steps += 1
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            # A collective that failed because a worker died says so in gloo's or NCCL's words;
+            # name the rank instead.
+            self.check_health()
+            raise exc
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r, entries in result.prompt_logprobs:
