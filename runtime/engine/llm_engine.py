@@ -10,9 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from kvfleet.runtime.engine.config import ConfigError, EngineConfig
@@ -27,19 +25,8 @@ from kvfleet.runtime.engine.request_limits import RequestError, check_request
 from kvfleet.runtime.engine.sampler import Sampler
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
-from kvfleet.runtime.engine.tp_workers import (
-    COLLECTIVE_TIMEOUT_S,
-    TPWorkers,
-    WorkerSpec,
-    backend_for,
-    init_process_group,
-    threads_per_rank,
-    usable_cores,
-)
-
-if TYPE_CHECKING:
-    from kvfleet.runtime.models.config import ModelConfig
-    from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.engine.tp_start import start_tensor_parallel
+from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +77,10 @@ class LLMEngine:
         tokenizer_folder = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         if tp_size > 1:
-            self.model, self.model_config, folder, num_blocks = self._start_tensor_parallel()
+            started = start_tensor_parallel(
+                config, self.device, self.dtype, self.kv_dtype, self._kv_budget, self._set_workers
+            )
+            self.model, self.model_config, folder, num_blocks = started
         else:
             self.model, self.model_config, folder = load_model(
                 config.model, self.dtype, self.device, config.revision, config.hf_token
@@ -160,77 +150,8 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _start_tensor_parallel(self) -> tuple[LlamaModel, ModelConfig, Path | None, int]:
-        """Start ranks 1..N-1, load rank 0's shard beside them, agree on the KV blocks every
-        rank can hold (the fewest any rank can) and join the process group."""
-        import torch.distributed as dist
-        from kvfleet.runtime.models.loader import (
-            RANDOM_PREFIX,
-            load_model,
-            model_config_of,
-            resolve_model,
-        )
-        from kvfleet.runtime.models.shard_layout import check_tensor_parallel_size, shard_layout
-        from kvfleet.runtime.models.tp_group import TPGroup
-
-        config, size = self.config, self.config.tensor_parallel_size
-        if dist.is_initialized():
-            raise ConfigError(
-                "tensor_parallel_size: this process already runs a tensor-parallel engine; "
-                "close it first (one per process)"
-            )
-        random_model = config.model.startswith(RANDOM_PREFIX)
-        # Resolved once here (a GGUF converted, a Hub model downloaded): workers get the folder.
-        folder = (
-            None if random_model else resolve_model(config.model, config.revision, config.hf_token)
-        )
-        source = config.model if random_model else str(folder)
-        mc = model_config_of(source)
-        check_tensor_parallel_size(mc.num_heads, mc.num_kv_heads, size)
-        layout = shard_layout(
-            mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size, size, 0
-        )
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store = dist.TCPStore(
-            "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        spec = WorkerSpec(
-            model=source,
-            size=size,
-            device_type=self.device.type,
-            dtype=str(self.dtype).removeprefix("torch."),
-            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
-            block_size=config.block_size,
-            kv_cache_memory=self._kv_budget()
-            if self.device.type == "cpu"
-            else config.kv_cache_memory,
-            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
-            num_threads=torch.get_num_threads(),
-            store_port=store.port,
-            timeout_s=COLLECTIVE_TIMEOUT_S,
-            seed=config.seed,
-            log_level=logging.getLogger().getEffectiveLevel(),
-        )
-        self.workers = TPWorkers(spec)  # a failure from here on closes them (__init__)
-        model, mc, _ = load_model(source, self.dtype, self.device, tp=TPGroup(layout))
-        model.prepack()
-        per_token = kv_bytes_per_token(mc, self.kv_dtype, layout.num_kv_heads)
-        own = self._kv_budget() // (per_token * config.block_size)
-        num_blocks = min([own, *self.workers.wait_loaded()])
-        self.workers.start(num_blocks)
-        init_process_group(spec, 0, store)
-        log.info(
-            "tensor parallel: %d ranks (%s), rank 0 holds %d of %d query heads and %d of %d "
-            "KV heads; worker pids %s",
-            size,
-            backend_for(self.device.type),
-            layout.num_q_heads,
-            mc.num_heads,
-            layout.num_kv_heads,
-            mc.num_kv_heads,
-            self.workers.pids(),
-        )
-        return model, mc, folder, num_blocks
+    def _set_workers(self, workers: TPWorkers) -> None:
+        self.workers = workers  # from here on a failure in __init__ closes them
 
     def check_health(self) -> None:
         """Raise TPWorkerError if a tensor-parallel worker has died (else nothing: a
