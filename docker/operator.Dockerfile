@@ -19,7 +19,7 @@ COPY operator/ operator/
 RUN pip install \
         "kopf>=1.37,<2" \
         "kubernetes>=30" \
-        "aiohttp>=3.9,<4" \
+        "aiohttp>=3.10,<4" \
         "prometheus-client>=0.20" \
         "pyyaml>=6" \
  && pip install --no-deps . \

@@ -31,7 +31,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
         "huggingface-hub>=1.0" \
         "gguf>=0.10" \
         "accelerate>=1.0" \
-        "aiohttp>=3.9,<4" \
+        "aiohttp>=3.10,<4" \
         "prometheus-client>=0.20" \
         "numpy>=1.26" \
         "pyyaml>=6" \

@@ -14,6 +14,7 @@ from kvfleet.operator.model_cache import ModelCachePlan, plan_model_cache
 from kvfleet.operator.model_uri import parse_model_uri
 from kvfleet.operator.quantity import parse_bytes
 from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, SecretKeyRef, parse_spec
+from kvfleet.operator.spec_check import gpus_per_replica
 
 from kvfleet import contract
 
@@ -128,6 +129,8 @@ def runtime_args(spec: InferenceServiceSpec, name: str) -> list[str]:
         _flag("enable-chunked-prefill", rt.enable_chunked_prefill),
         "--drain-timeout", str(rt.drain_timeout_seconds),
     ]  # fmt: skip
+    if rt.tensor_parallel_size > 1:  # only then: templates of one-rank services stay as they were
+        args += ["--tensor-parallel-size", str(rt.tensor_parallel_size)]
     return args + list(rt.extra_args)
 
 
@@ -180,10 +183,10 @@ def _resources(
     storage = spec.resources.ephemeral_storage or plan.ephemeral_storage
     if storage:
         requests["ephemeral-storage"] = storage
-    if gpus and spec.resources.gpus > 0:
-        # Extended resources must have requests == limits.
-        requests[GPU_RESOURCE] = str(spec.resources.gpus)
-        limits[GPU_RESOURCE] = str(spec.resources.gpus)
+    if gpus and gpus_per_replica(spec) > 0:
+        # Extended resources must have requests == limits. One GPU per tensor-parallel rank.
+        requests[GPU_RESOURCE] = str(gpus_per_replica(spec))
+        limits[GPU_RESOURCE] = str(gpus_per_replica(spec))
     return {"requests": requests, "limits": limits}
 
 
@@ -272,6 +275,9 @@ def pod_template(
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "volumeMounts": mounts,
         "securityContext": _container_security(),
+        # A refusal at start (a tensorParallelSize the model's heads cannot take, a bad model)
+        # becomes the termination message, which the Degraded condition quotes.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],

@@ -31,6 +31,13 @@ class SpecProblem:
     message: str
 
 
+def gpus_per_replica(spec: InferenceServiceSpec) -> int:
+    """GPUs one pod requests: spec.resources.gpus, raised to tensorParallelSize (one GPU per
+    rank) on GPU pods; 0 keeps a replica on CPU, where its ranks are processes (gloo)."""
+    gpus = spec.resources.gpus
+    return max(gpus, spec.runtime.tensor_parallel_size) if gpus > 0 else 0
+
+
 def check_spec(
     raw_spec: Mapping[str, Any], *, max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
 ) -> tuple[InferenceServiceSpec | None, list[SpecProblem]]:
@@ -75,22 +82,21 @@ def check_spec(
                     )
                 )
     rt, res, auto = spec.runtime, spec.resources, spec.autoscaling
-    if res.gpus > max_gpus_per_node:
+    gpus = gpus_per_replica(spec)
+    if gpus > max_gpus_per_node:
         problems.append(
             SpecProblem(
                 "InsufficientGPUs",
-                f"spec.resources.gpus is {res.gpus} but no node type offers more than "
-                f"{max_gpus_per_node} GPUs per node; lower it to at most {max_gpus_per_node}",
+                f"each replica needs {gpus} GPUs (spec.resources.gpus {res.gpus}, "
+                f"spec.runtime.tensorParallelSize {rt.tensor_parallel_size}) but no node type "
+                f"offers more than {max_gpus_per_node} GPUs per node; lower it to at most "
+                f"{max_gpus_per_node}",
             )
         )
-    if rt.tensor_parallel_size != 1:
-        problems.append(
-            SpecProblem(
-                "UnsupportedTensorParallel",
-                f"spec.runtime.tensorParallelSize is {rt.tensor_parallel_size}; the kvfleet runtime "
-                "serves a model on one device, so it must be 1",
-            )
-        )
+    # Whether tensorParallelSize fits the model's attention heads is the runtime's to say: the
+    # heads are in the model's config.json, which the operator never reads. A size that does
+    # not fit makes `kvfleet serve` exit naming both, and the pod's crash reason (its log as
+    # termination message) turns Degraded.
     if rt.dtype not in DTYPES:
         problems.append(
             SpecProblem(

@@ -41,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,  # --seed: same seed, same text
         )
-        llm = LLM(config)
-        if args.chat:
-            out = llm.chat([{"role": "user", "content": args.prompt}], params)
-        else:
-            out = llm.generate(args.prompt, params)
+        with LLM(config) as llm:  # closing stops tensor-parallel workers, if any
+            if args.chat:
+                out = llm.chat([{"role": "user", "content": args.prompt}], params)
+            else:
+                out = llm.generate(args.prompt, params)
     except ValueError as e:  # config, model, sampling and request errors all are: bad input
         print(f"kvfleet generate: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""`kvfleet bench {throughput,serve,latency,kernels,cpu-kernels,decode-step,gemm-rows}`: speed claims
-are measured, with their baseline in the same run. Each sub-command lives in its own module."""
+"""`kvfleet bench {throughput,serve,latency,kernels,cpu-kernels,decode-step,gemm-rows,
+tensor-parallel}`: speed claims are measured, with their baseline in the same run. Each
+sub-command lives in its own module."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ BENCH_MODULES = (
     "kvfleet.kernels.bench.cpu_kernels",
     "kvfleet.runtime.bench.decode_step",
     "kvfleet.runtime.bench.gemm_rows",
+    "kvfleet.runtime.bench.tensor_parallel",
 )
 
 
@@ -21,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, latency, kernels, cpu-kernels, decode-step, gemm-rows",
+        help="benchmarks: throughput, serve, latency, kernels, cpu-kernels, decode-step, gemm-rows, "
+        "tensor-parallel",
         description="Measure kvfleet against a baseline in the same run.",
     )
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How often an idle engine thread checks the engine's health (a tensor-parallel worker that
+# died while no step ran): /health turns 503 and `kvfleet serve` exits within about this.
+HEALTH_POLL_S = 1.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (crash or shutdown); no request can be served."""
@@ -176,6 +180,7 @@ class AsyncEngine:
             self.engine.warm_up()
         except BaseException as exc:
             self._error = exc
+            self._close_engine()
             self._call_loop(self._set_loaded, exc)
             return
         self._publish_stats()
@@ -187,8 +192,19 @@ class AsyncEngine:
             self._error = exc
             self._call_loop(self._fail_all, EngineDeadError(f"engine failed: {exc}"))
             self._call_loop(self.crashed.set)
+            self._close_engine()
             return
         self._call_loop(self._fail_all, EngineDeadError("the server is shutting down"))
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("closing the engine failed")
 
     def _loop_forever(self) -> None:
         engine = self.engine
@@ -202,7 +218,8 @@ class AsyncEngine:
                     and not self._stopping
                     and not engine.has_unfinished_requests()
                 ):
-                    self._cond.wait()
+                    self._cond.wait(HEALTH_POLL_S)
+                    engine.check_health()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
                 stopping = self._stopping

@@ -30,6 +30,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+# One host's ranks (a node's GPUs); tensor parallelism across hosts is not supported.
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field and the limit."""
 
@@ -73,7 +77,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     served_model_name: str | None = None
-    num_threads: int | None = None  # CPU threads for torch (None: torch's default, all cores)
+    num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
+    tensor_parallel_size: int = 1  # ranks (processes, GPUs) the model is sharded over
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -97,6 +102,16 @@ class EngineConfig:
             raise ConfigError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ConfigError(
+                f"tensor_parallel_size: must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
+                f"got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ConfigError(
+                f"device: {self.device} pins one GPU; with tensor_parallel_size "
+                f"{self.tensor_parallel_size} rank r runs on cuda:r (use --device cuda or auto)"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -191,7 +206,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="CPU threads for the forward pass (default: all cores)",
+        help="CPU threads for the forward pass, per tensor-parallel rank (default: the cores "
+        "shared out among the ranks; all of them without tensor parallelism)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="shard the model over N ranks (one process each; N GPUs on CUDA, NCCL; gloo on "
+        "CPU): attention heads, MLP and vocabulary split Megatron-style",
     )
     g.add_argument(
         "--served-model-name",

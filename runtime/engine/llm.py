@@ -28,6 +28,17 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do without them; they also
+        stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -25,6 +25,8 @@ from kvfleet.runtime.engine.request_limits import RequestError, check_request
 from kvfleet.runtime.engine.sampler import Sampler
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.tp_start import start_tensor_parallel
+from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +51,42 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.workers: TPWorkers | None = None  # the other tensor-parallel ranks, if any
+        try:
+            self._build(config, observer)
+        except BaseException:
+            self.close()  # workers started before the failure must not outlive it
+            raise
+
+    def _build(self, config: EngineConfig, observer: EngineObserver | None) -> None:
         from kvfleet.runtime.models.loader import load_model, load_tokenizer, resolve_tokenizer
 
         self.config = config
         self.observer = observer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.num_threads:
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            torch.set_num_threads(threads_per_rank(usable_cores(), tp_size, config.num_threads))
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()  # steps reuse freed activations' pages instead of faulting in new
         torch.manual_seed(config.seed)
         # A wrong --tokenizer fails here, before seconds of weight loading.
         tokenizer_folder = resolve_tokenizer(config.tokenizer) if config.tokenizer else None
-        self.model, self.model_config, folder = load_model(
-            config.model, self.dtype, self.device, config.revision, config.hf_token
-        )
-        self.model.prepack()
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if tp_size > 1:
+            started = start_tensor_parallel(
+                config, self.device, self.dtype, self.kv_dtype, self._kv_budget, self._set_workers
+            )
+            self.model, self.model_config, folder, num_blocks = started
+        else:
+            self.model, self.model_config, folder = load_model(
+                config.model, self.dtype, self.device, config.revision, config.hf_token
+            )
+            self.model.prepack()
+            num_blocks = -1  # from the budget, below
         self.model_folder = folder  # None for random:* models
         self.tokenizer = load_tokenizer(tokenizer_folder or folder or config.model)
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -88,10 +109,11 @@ class LLMEngine:
             )
         # A text prompt longer than this is refused before tokenizing (None: no such bound).
         self.max_prompt_chars = max_prompt_chars(self._backend_tokenizer, self.max_model_len)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        per_token = kv_bytes_per_token(mc, self.kv_dtype)
-        budget = self._kv_budget(per_token)
-        num_blocks = budget // (per_token * config.block_size)
+        # Per rank: its own KV heads (under tensor parallelism, a shard of them).
+        per_token = kv_bytes_per_token(mc, self.kv_dtype, self.model.layout.num_kv_heads)
+        budget = self._kv_budget()
+        if num_blocks < 0:
+            num_blocks = budget // (per_token * config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(
                 f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} tokens, "
@@ -107,7 +129,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device)
+        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device, self.workers)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -128,7 +150,26 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _kv_budget(self, per_token: int) -> int:
+    def _set_workers(self, workers: TPWorkers) -> None:
+        self.workers = workers  # from here on a failure in __init__ closes them
+
+    def check_health(self) -> None:
+        """Raise TPWorkerError if a tensor-parallel worker has died (else nothing: a
+        one-process engine's health is its thread's)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (no-op without)."""
+        import torch.distributed as dist
+
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
             return int(self.config.kv_cache_memory)
         if self.device.type == "cuda":
@@ -275,11 +316,18 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.check_health()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         self.counters.steps += 1
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            # A collective that failed because a worker died says so in gloo's or NCCL's words;
+            # name the rank instead.
+            self.check_health()
+            raise exc
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r, entries in result.prompt_logprobs:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,10 +20,12 @@ from kvfleet.runtime.models.config import ModelConfig
 PROMPT_LOGITS_ROWS = 256
 
 
-def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V, every layer: what one cached token costs."""
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """K and V, every layer: what one cached token costs (for `num_kv_heads` heads: one
+    tensor-parallel rank's; default all of the model's)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+    heads = mc.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * mc.num_layers * heads * mc.head_dim * elem
 
 
 @dataclass(slots=True)
@@ -44,6 +48,75 @@ class _PromptSpan:
     hi: int
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """Everything a forward pass needs, as plain host data: what rank 0 sends every other
+    tensor-parallel rank each step (pickled, a few KB), and what each rank turns into tensors."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table: np.ndarray  # int32 [seqs, max blocks]
+    num_decodes: int
+    # Hidden rows whose logits are computed, one `compute_logits` call per entry, in order:
+    # each prompt-logprobs chunk, then the rows to sample. Every rank makes the same calls.
+    logit_rows: list[list[int]]
+
+
+def forward_step(
+    model: torch.nn.Module,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    inputs: StepInputs,
+    device: torch.device,
+) -> torch.Tensor:
+    """The model's final hidden states [T, hidden] for the step's tokens (K/V written to
+    `kv_caches`)."""
+    qsl = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
+    np.cumsum(inputs.query_lens, out=qsl[1:])
+    meta = AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(inputs.block_table).to(device),
+        slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=device),
+        num_decodes=inputs.num_decodes,
+        max_query_len=max(inputs.query_lens),
+        max_seq_len=max(inputs.seq_lens),
+        query_lens_host=inputs.query_lens,
+        seq_lens_host=inputs.seq_lens,
+    )
+    return model(
+        torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
+        torch.tensor(inputs.positions, dtype=torch.long, device=device),
+        kv_caches,
+        meta,
+    )
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig,
+    num_kv_heads: int,
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K/V cache for `num_kv_heads` heads (a tensor-parallel rank's own)."""
+    return [
+        dispatch.allocate_kv_cache(
+            num_blocks, block_size, num_kv_heads, model_config.head_dim, kv_dtype, device
+        )
+        for _ in range(model_config.num_layers)
+    ]
+
+
+class StepBroadcaster(Protocol):
+    """Rank 0's channel to the other tensor-parallel ranks (`tp_workers.TPWorkers`)."""
+
+    def send_step(self, inputs: StepInputs) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -52,21 +125,20 @@ class ModelRunner:
         kv: KVCacheManager,
         kv_dtype: torch.dtype,  # the cache's: the model's, or fp8 (--kv-cache-dtype)
         device: torch.device,
+        workers: StepBroadcaster | None = None,  # the other tensor-parallel ranks, if any
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
-        self.kv_caches = [
-            dispatch.allocate_kv_cache(
-                kv.num_blocks,
-                kv.block_size,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-                kv_dtype,
-                device,
-            )
-            for _ in range(model_config.num_layers)
-        ]
+        self.workers = workers
+        self.kv_caches = allocate_kv_caches(
+            model_config,
+            model.layout.num_kv_heads,
+            kv.num_blocks,
+            kv.block_size,
+            kv_dtype,
+            device,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -119,33 +191,34 @@ class ModelRunner:
         table = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for row, t in enumerate(tables):
             table[row, : len(t)] = t
-        dev = self.device
-        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+        logit_rows = [
+            list(range(s.first_row + a, s.first_row + b))
+            for s in prompt_spans
+            for a, b in _chunks(s.hi - s.lo)
+        ]
+        if sample_rows:
+            logit_rows.append(logits_index)
+        inputs = StepInputs(
+            input_ids, positions, slots, query_lens, seq_lens, table, num_decodes, logit_rows
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
-        prompt_logprobs = [(s.request, self._prompt_logprobs(hidden, s)) for s in prompt_spans]
+        if self.workers is not None:
+            self.workers.send_step(inputs)
+        hidden = forward_step(self.model, self.kv_caches, inputs, self.device)
+        calls = iter(inputs.logit_rows)
+
+        def next_logits() -> torch.Tensor:
+            rows = torch.tensor(next(calls), dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden[rows])
+
+        prompt_logprobs = [(s.request, self._prompt_logprobs(next_logits, s)) for s in prompt_spans]
         if not sample_rows:
             return StepLogits([], torch.empty(0), prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=dev)])
+        logits = next_logits()
         return StepLogits(sample_rows, logits.float().cpu(), prompt_logprobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, span: _PromptSpan) -> list[TokenLogprob]:
+    def _prompt_logprobs(
+        self, next_logits: Callable[[], torch.Tensor], span: _PromptSpan
+    ) -> list[TokenLogprob]:
         """log_softmax (float32) at each position of the span, gathered at the next prompt
         token, with the top-k alternatives; only these small results leave the device."""
         r = span.request
@@ -153,10 +226,8 @@ class ModelRunner:
         targets = r.prompt_token_ids[span.lo + 1 : span.hi + 1]
         target_ids = torch.tensor(targets, dtype=torch.long, device=self.device)
         entries: list[TokenLogprob] = []
-        for s in range(0, len(targets), PROMPT_LOGITS_ROWS):
-            e = min(s + PROMPT_LOGITS_ROWS, len(targets))
-            rows = hidden[span.first_row + s : span.first_row + e]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+        for s, e in _chunks(len(targets)):
+            logprobs = torch.log_softmax(next_logits().float(), dim=-1)
             chosen = logprobs.gather(1, target_ids[s:e, None]).squeeze(1).tolist()
             if k:
                 vals, ids = logprobs.topk(k, dim=-1)
@@ -171,3 +242,8 @@ class ModelRunner:
                 for t, lp, top in zip(targets[s:e], chosen, tops, strict=True)
             )
         return entries
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of at most PROMPT_LOGITS_ROWS covering [0, n)."""
+    return [(s, min(s + PROMPT_LOGITS_ROWS, n)) for s in range(0, n, PROMPT_LOGITS_ROWS)]

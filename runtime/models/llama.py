@@ -15,6 +15,8 @@ from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_step
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.models.config import ModelConfig
+from kvfleet.runtime.models.shard_layout import ShardLayout, shard_layout
+from kvfleet.runtime.models.tp_group import TPGroup
 from torch import nn
 
 
@@ -39,13 +41,29 @@ def _prepack(module: nn.Module, name: str) -> None:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block + SwiGLU MLP, with the residual add fused into each norm."""
+    """Pre-norm attention block + SwiGLU MLP, with the residual add fused into each norm.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    Under tensor parallelism it holds `layout`'s heads and MLP columns: q/k/v and gate/up are
+    column-split, o_proj and down_proj row-split, and `tp` sums their partial outputs."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layout: ShardLayout,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            layout.num_q_heads,
+            layout.num_kv_heads,
+            d,
+        )
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        inter = layout.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
         self.input_layernorm = _param(h, dtype=dtype, device=device)
@@ -57,8 +75,8 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.o_proj = _param(h, self.q_size, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(h, dtype=dtype, device=device)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
-        self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * inter, h, dtype=dtype, device=device)
+        self.down_proj = _param(h, inter, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -83,38 +101,49 @@ class LlamaDecoderLayer(nn.Module):
         )
         attn = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
         hidden = dispatch.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        if self.tp is not None:
+            hidden = self.tp.all_reduce(hidden)
         gate_up, residual = dispatch.rms_norm_linear(
             hidden, self.post_attention_layernorm, self.eps, residual, self.gate_up_proj
         )
         hidden = dispatch.silu_and_mul_linear(gate_up, self.down_proj)
+        if self.tp is not None:
+            hidden = self.tp.all_reduce(hidden)
         return hidden, residual
 
 
 class LlamaModel(nn.Module):
     """The whole network. Build it in the dtype and on the device it will run on (do not
     `.to()` it later: the RoPE table must stay float32). Parameters start uninitialised; fill
-    them with `loader.load_weights` or `random_models.init_random_weights`."""
+    them with `loader.load_weights` or `random_models.init_random_weights`.
+
+    With `tp` (a tensor-parallel rank) it holds only `tp.layout`'s shard: its heads, its MLP
+    columns and its vocabulary rows of the embedding and the LM head."""
 
     def __init__(
         self,
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.layout = tp.layout if tp is not None else full_layout(config)
         self.dtype, self.device = dtype, torch.device(device)
-        h = config.hidden_size
-        self.embed_tokens = _param(config.vocab_size, h, dtype=dtype, device=device)
+        h, vocab = config.hidden_size, self.layout.vocab_rows
+        self.embed_tokens = _param(vocab, h, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, dtype, device, self.layout, tp)
+            for _ in range(config.num_layers)
         )
         self.norm = _param(h, dtype=dtype, device=device)
         # Tied models read logits straight off the embedding table: one tensor, no copy.
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _param(config.vocab_size, h, dtype=dtype, device=device)
+            else _param(vocab, h, dtype=dtype, device=device)
         )
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
         # The fused decode step for the caches it was built for (`decode_stack_for`).
@@ -136,7 +165,11 @@ class LlamaModel(nn.Module):
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> cpu_decode_step.DecodeStack | None:
         """The fused decode step over these caches where the kernels offer one (built on the
-        first step that brings them: the engine passes the same list every step)."""
+        first step that brings them: the engine passes the same list every step). Not for a
+        tensor-parallel shard: the fused step has no place for the all-reduces, so a shard
+        runs op by op."""
+        if self.tp is not None:
+            return None
         if kv_caches is not self._stack_caches:
             cfg = self.config
             layers = [
@@ -172,7 +205,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
         decodes first, as `meta` describes); K/V of every token is written to `kv_caches`."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         stack = self.decode_stack_for(kv_caches)
         if stack is not None and stack.accepts(meta, hidden.shape[0]):
             # The same six kernels per layer as below, in one call (cpu_decode_step).
@@ -186,9 +219,33 @@ class LlamaModel(nn.Module):
         hidden, _ = dispatch.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for N hidden states (the engine passes one per sequence)."""
-        return dispatch.linear(hidden, self.lm_head).float()
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocabulary-split table: each rank looks up the ids in its range, zeros elsewhere,
+        # and the sum over ranks is the full lookup.
+        lo, hi = self.layout.vocab
+        outside = (input_ids < lo) | (input_ids >= hi)
+        local = torch.where(outside, 0, input_ids - lo)
+        hidden = F.embedding(local, self.embed_tokens)
+        hidden[outside] = 0
+        return self.tp.all_reduce(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for N hidden states (the engine passes one per sequence).
+        A tensor-parallel rank computes its vocabulary slice; rank 0 gets the gathered whole
+        and the other ranks None. Every rank must make the same calls, in the same order."""
+        logits = dispatch.linear(hidden, self.lm_head).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_logits(logits)
+
+
+def full_layout(config: ModelConfig) -> ShardLayout:
+    """The whole model as one rank's "shard" (no tensor parallelism)."""
+    return shard_layout(
+        config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
+    )
 
 
 def rope_cos_sin_cache(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:

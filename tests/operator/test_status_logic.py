@@ -136,3 +136,38 @@ def test_failed_model_download_is_degraded_with_the_downloads_own_error():
     degraded = find_condition(compute_status(ISVC, running, [config])["conditions"], "Degraded")
     assert degraded["reason"] == "CreateContainerConfigError"
     assert degraded["message"].endswith('secret "hf" not found')
+
+
+def test_tensor_parallel_is_served_and_degraded_only_by_gpus_or_the_runtimes_refusal():
+    tp = {"model": {"uri": "bundled"}, "runtime": {"tensorParallelSize": 4}}
+    assert check_spec(tp, max_gpus_per_node=8)[1] == []
+    _, problems = check_spec(tp, max_gpus_per_node=2)
+    assert [p.reason for p in problems] == ["InsufficientGPUs"]
+    assert "needs 4 GPUs" in problems[0].message and "tensorParallelSize 4" in problems[0].message
+    # The operator cannot read the model's heads; the runtime refuses a size that does not fit
+    # them and the crash-looping container's log (its termination message) says why.
+    log = (
+        "INFO kvfleet.serve: listening on http://0.0.0.0:8000 (model bundled; /health is 503 "
+        "until it is loaded)\nERROR kvfleet.serve: could not load the model: "
+        "tensor_parallel_size: 4 does not fit the model's 9 attention heads and 3 KV heads; use "
+        "at most 3 (whole KV-head groups per rank), or a size that divides 9 and is a multiple "
+        "of 3\n"
+    )
+    pod = {
+        "metadata": {"name": "chat-1"},
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "runtime",
+                    "restartCount": 3,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1, "message": log}},
+                }
+            ]
+        },
+    }
+    running = deployment(replicas=1, updatedReplicas=1, availableReplicas=0, readyReplicas=0)
+    degraded = find_condition(compute_status(ISVC, running, [pod])["conditions"], "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoopBackOff")
+    assert "exit code 1" in degraded["message"]
+    assert "9 attention heads and 3 KV heads" in degraded["message"]
