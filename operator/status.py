@@ -98,7 +98,9 @@ def _zero_message(isvc: Mapping[str, Any]) -> str:
         return "spec.replicas is 0"
     auto = spec.autoscaling
     if auto.enabled and auto.min_replicas == 0:
-        idle = f"idle: no requests for scaleToZeroAfterSeconds ({auto.scale_to_zero_after_seconds}s)"
+        idle = (
+            f"idle: no requests for scaleToZeroAfterSeconds ({auto.scale_to_zero_after_seconds}s)"
+        )
         if spec.router.kvfleet:
             return f"{idle}; the router starts a replica on the next request"
         return (
