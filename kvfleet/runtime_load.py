@@ -24,6 +24,7 @@ from kvfleet.contract import (
     KV_CACHE_USAGE_PERC,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    REQUEST_SUCCESS,
 )
 
 
@@ -38,6 +39,9 @@ class RuntimeLoad(NamedTuple):
     running: float
     kv_usage: float
     block_size: int | None = None
+    # vllm:request_success_total summed over its label sets: requests finished, ever. 0 where
+    # the counter has no sample yet (no request finished since the runtime started).
+    finished: float = 0.0
 
 
 def parse_runtime_metrics(text: str) -> RuntimeLoad:
@@ -52,11 +56,14 @@ def parse_runtime_metrics(text: str) -> RuntimeLoad:
         KV_CACHE_USAGE_PERC: [],
     }
     block_sizes: list[int] = []
+    finished = 0.0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in values:
                     values[sample.name].append(sample.value)
+                elif sample.name == f"{REQUEST_SUCCESS}_total" and math.isfinite(sample.value):
+                    finished += sample.value
                 elif sample.name == CACHE_CONFIG_INFO:
                     size = sample.labels.get("block_size", "")
                     if size.isdigit() and int(size) > 0:
@@ -73,4 +80,5 @@ def parse_runtime_metrics(text: str) -> RuntimeLoad:
         running=sum(values[NUM_REQUESTS_RUNNING]),
         kv_usage=max(values[KV_CACHE_USAGE_PERC]),
         block_size=min(block_sizes) if block_sizes else None,
+        finished=finished,
     )

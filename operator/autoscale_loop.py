@@ -48,6 +48,7 @@ from kvfleet.operator.autoscaler import (
     PodSample,
     decide_replicas,
 )
+from kvfleet.operator.idle import IdleClock, observe
 from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
     MetricsUnavailable,
@@ -64,6 +65,7 @@ log = logging.getLogger("kvfleet.autoscaler")
 EVENTS = ("", "v1", "events")
 AUTOSCALER_READY = "AutoscalerReady"
 SCALED_UP, SCALED_DOWN = "ScaledUp", "ScaledDown"
+SCALED_TO_ZERO = "ScaledToZero"  # the Event and AutoscalerReady reason at 0 replicas
 RUNTIME_PORT_SETTING = "runtime_port"
 OBSERVERS_SETTING = "autoscaler_observers"
 MAX_ERRORS_SHOWN = 3
@@ -107,6 +109,7 @@ class AutoscalerState:
     missing_polls: Mapping[str, int] = field(default_factory=dict)  # pod -> polls in a row
     last_scale_time: str | None = None
     errors: list[str] = field(default_factory=list)
+    idle: IdleClock | None = None  # scale to zero: since when no request was seen (idle.py)
 
 
 def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
@@ -157,6 +160,8 @@ def readiness(
             f"metrics of {len(failed)} of {len(samples)} pods could not be read, {consequence}: "
             f"{shown}{more}",
         )
+    if decision is not None and decision.current == decision.desired == 0:
+        return c.Condition(AUTOSCALER_READY, c.TRUE, SCALED_TO_ZERO, decision.reason)
     if not any(s.reporting for s in samples):
         return c.Condition(
             AUTOSCALER_READY,
@@ -328,8 +333,16 @@ async def poll_once(
         # bounds), never scale down.
         samples = [PodSample(t.name, t.ready, scraped=False, error=error) for t in targets]
 
+    now = time.monotonic()
+    state.idle = observe(state.idle, samples, current, now)
     decision = decide_replicas(
-        samples, current, spec, state.history, time.monotonic(), state.missing_polls
+        samples,
+        current,
+        spec,
+        state.history,
+        now,
+        state.missing_polls,
+        idle_for=state.idle.idle_for(now) if spec.min_replicas == 0 else None,
     )
     state.history, state.missing_polls = decision.history, decision.missing_polls
     metrics.DESIRED_REPLICAS.labels(namespace=namespace, name=name).set(decision.desired)
@@ -340,8 +353,13 @@ async def poll_once(
             scale_deployment, api, namespace, name, current, decision.desired
         )
         if scaled:
+            # The clock remembers the count after this poll: a scale-up from the 0 written
+            # here, before the next poll, is then still seen as one (idle.py).
+            state.idle = dataclasses.replace(state.idle, replicas=decision.desired)
             state.last_scale_time = c.now_rfc3339()
             reason = SCALED_UP if decision.direction == "up" else SCALED_DOWN
+            if decision.desired == 0:
+                reason = SCALED_TO_ZERO
             log.info("%s/%s: %s: %s", namespace, name, reason, decision.reason)
             try:
                 await asyncio.to_thread(

@@ -12,10 +12,15 @@ Signals (from the runtime's own /metrics, vLLM's names):
 
 Rules, in the order they apply:
 1. The replica count is brought inside [minReplicas, maxReplicas] at once if it is outside
-   (someone edited the bounds or scaled the Deployment by hand). This is the only way up from
-   0 replicas: with no pod there is no signal, which is why minReplicas must be at least 1.
+   (someone edited the bounds or scaled the Deployment by hand). With no pod there is no
+   signal: at 0 replicas and minReplicas 0 the count stays 0 until the router's activator
+   (runtime/router/activator.py) scales it to 1 for a request.
 2. Each signal whose ratio (value / target) lies within 0.9..1.1 proposes "no change";
-   the recommendation is the largest proposal, clamped to [minReplicas, maxReplicas].
+   the recommendation is the largest proposal, clamped to [max(1, minReplicas), maxReplicas]:
+   load signals never ask for 0 replicas.
+2b. Scale to zero (minReplicas 0): to 0 from any count once `idle_for` (idle.py: seconds with
+   no request running, waiting or finished on any pod) reaches scaleToZeroAfterSeconds, and
+   only while every pod reports and nothing runs or waits.
 3. Up: to the lowest recommendation of the last scaleUpStabilizationSeconds (0 = at once),
    at most doubling (and at least +1) per poll.
 4. Down: only to the highest recommendation of the last scaleDownStabilizationSeconds, and
@@ -65,6 +70,7 @@ class PodSample:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    finished: float = 0.0  # vllm:request_success_total: requests this pod has finished, ever
     error: str = ""
 
     @property
@@ -121,13 +127,15 @@ def decide_replicas(
     history: History,
     now: float,
     missing_polls: Mapping[str, int] | None = None,
+    idle_for: float | None = None,
 ) -> Decision:
     """Decide the replica count for one poll; see the module docstring for the rules.
 
     `samples`: one per pod of the Deployment (ready or not); `current`: the Deployment's
     replicas now; `history`: the previous Decision's history (empty on the first poll);
     `now`: seconds on any monotonic clock the caller keeps using; `missing_polls`: the previous
-    Decision's `missing_polls` (empty on the first poll).
+    Decision's `missing_polls` (empty on the first poll); `idle_for`: seconds without any
+    request (idle.IdleClock.idle_for), None when not known (no scale to zero then).
     """
     if current < 0:
         raise ValueError(f"current replicas must be >= 0, got {current}")
@@ -166,16 +174,26 @@ def decide_replicas(
     kept = [r for r in history if r.at >= now - keep]
     new_history = (*kept, Recommendation(now, recorded))
 
-    desired, reason = _choose(
-        current,
-        recommendation,
-        up_floor,
-        down_ceiling,
-        signals,
-        _Missing(missing, blocking, ignored),
-        len(samples),
-        spec,
-    )
+    if _idle_long_enough(spec, current, idle_for, missing, total_waiting, total_running):
+        assert idle_for is not None
+        desired, reason = (
+            0,
+            (
+                f"no requests for {idle_for:.0f}s (scaleToZeroAfterSeconds "
+                f"{spec.scale_to_zero_after_seconds}): scaling {current} → 0"
+            ),
+        )
+    else:
+        desired, reason = _choose(
+            current,
+            recommendation,
+            up_floor,
+            down_ceiling,
+            signals,
+            _Missing(missing, blocking, ignored),
+            len(samples),
+            spec,
+        )
     return Decision(
         desired=desired,
         reason=reason,
@@ -250,7 +268,28 @@ def _percent(fraction: float) -> str:
 
 
 def _clamp(replicas: int, spec: AutoscalingSpec) -> int:
-    return min(max(replicas, spec.min_replicas), spec.max_replicas)
+    # At least 1: going to 0 is the idle rule's alone (2b), never a load signal's.
+    return min(max(replicas, spec.min_replicas, 1), spec.max_replicas)
+
+
+def _idle_long_enough(
+    spec: AutoscalingSpec,
+    current: int,
+    idle_for: float | None,
+    missing: int,
+    total_waiting: float,
+    total_running: float,
+) -> bool:
+    """Rule 2b: whether the last replicas may go."""
+    return (
+        spec.min_replicas == 0
+        and current > 0
+        and idle_for is not None
+        and idle_for >= spec.scale_to_zero_after_seconds
+        and missing == 0
+        and total_waiting == 0
+        and total_running == 0
+    )
 
 
 def _within(history: History, now: float, window: float) -> list[Recommendation]:
@@ -278,6 +317,8 @@ def _choose(
             f"{current} replicas is above maxReplicas {spec.max_replicas}: "
             f"scaling {current} → {spec.max_replicas}"
         )
+    if current == 0:
+        return 0, ("scaled to zero: the router's activator starts a replica on the next request")
     if not signals:
         return current, f"metrics missing from all {max(pods, current)} pods: holding at {current}"
     missing = absent.count

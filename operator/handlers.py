@@ -17,6 +17,7 @@ import kopf
 from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.apply import apply_child
+from kvfleet.operator.apply_router import INFERENCE_POOL_MISSING, apply_router
 from kvfleet.operator.kube_api import (
     DEPLOYMENTS,
     ISVCS,
@@ -107,6 +108,7 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         elif api.get(PDBS, namespace, name) is not None:
             api.delete(PDBS, namespace, name)  # replicas went down to one
         pods = api.list(PODS, namespace, selector_string(name))
+        router = apply_router(api, isvc, spec, config.default_runtime_image)
     except KubeApiError as exc:
         metrics.RECONCILE_ERRORS.labels(reason=f"HTTP{exc.status}").inc()
         if exc.retryable:
@@ -114,7 +116,7 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         problem = SpecProblem("ApplyRejected", f"the API server rejected a child: {exc}")
         deployment = api.get(DEPLOYMENTS, namespace, name)
         return compute_status(isvc, deployment, problems=[problem], cluster_domain=domain)
-    return compute_status(isvc, deployment, pods, cluster_domain=domain)
+    return compute_status(isvc, deployment, pods, cluster_domain=domain, router=router)
 
 
 def refresh_from_child(config: OperatorConfig, namespace: str, name: str) -> None:
@@ -166,6 +168,11 @@ UNSERVABLE = frozenset(
 )
 
 
+# Degraded reasons that an install elsewhere fixes (a missing CRD), not a spec change.
+WAIT_FOR_API = frozenset({INFERENCE_POOL_MISSING})
+API_RECHECK_SECONDS = 60
+
+
 def _fail_if_unservable(status: Mapping[str, Any]) -> None:
     degraded = next(
         (x for x in status.get("conditions") or [] if x.get("type") == c.DEGRADED), None
@@ -174,6 +181,15 @@ def _fail_if_unservable(status: Mapping[str, Any]) -> None:
         metrics.RECONCILE_ERRORS.labels(reason=degraded["reason"]).inc()
         # Permanent: retrying cannot help until the spec changes (which re-triggers us).
         raise kopf.PermanentError(f"{degraded['reason']}: {degraded.get('message', '')}")
+
+
+def _retry_if_waiting_for_an_api(status: Mapping[str, Any]) -> None:
+    degraded = next(
+        (x for x in status.get("conditions") or [] if x.get("type") == c.DEGRADED), None
+    )
+    if degraded and degraded.get("status") == "True" and degraded.get("reason") in WAIT_FOR_API:
+        # A CRD someone may install later: look again now and then, not in a tight loop.
+        raise kopf.TemporaryError(degraded.get("message", ""), delay=API_RECHECK_SECONDS)
 
 
 def build_registry(
@@ -236,6 +252,7 @@ def build_registry(
             # the check below, so an unservable spec still shows why.
             write_status(config, isvc, status)
             _fail_if_unservable(status)
+            _retry_if_waiting_for_an_api(status)
 
     # An event handler, not @kopf.on.delete: no handler here needs a finalizer, and without one
     # kopf calls deletion handlers only for objects that some other finalizer holds.

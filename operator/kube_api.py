@@ -20,6 +20,10 @@ DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICES = ("", "v1", "services")
 PODS = ("", "v1", "pods")
 PDBS = ("policy", "v1", "poddisruptionbudgets")
+SERVICE_ACCOUNTS = ("", "v1", "serviceaccounts")
+ROLES = ("rbac.authorization.k8s.io", "v1", "roles")
+ROLE_BINDINGS = ("rbac.authorization.k8s.io", "v1", "rolebindings")
+INFERENCE_POOLS = ("inference.networking.k8s.io", "v1", "inferencepools")
 APPLY_PATCH = "application/apply-patch+yaml"
 ISVCS = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 

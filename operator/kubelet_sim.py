@@ -81,7 +81,8 @@ def pod_ips(count: int) -> list[str]:
 
 
 def choose_port(hosts: Sequence[str], preferred: int = contract.RUNTIME_PORT) -> int:
-    """`preferred` when it can be bound on every host, else a port free on all of them."""
+    """`preferred` when it can be bound on every host, else a port free on all of them
+    (`preferred` 0: any free port, away from 8000 where other runs on the host may be)."""
 
     def free_everywhere(port: int) -> bool:
         try:
@@ -92,7 +93,7 @@ def choose_port(hosts: Sequence[str], preferred: int = contract.RUNTIME_PORT) ->
             return False
         return True
 
-    if free_everywhere(preferred):
+    if preferred and free_everywhere(preferred):
         return preferred
     for _ in range(100):
         with socket.socket() as probe:
@@ -104,17 +105,32 @@ def choose_port(hosts: Sequence[str], preferred: int = contract.RUNTIME_PORT) ->
 
 
 def serve_command(
-    container: Mapping[str, Any], host: str, port: int, python: str = sys.executable
+    container: Mapping[str, Any],
+    host: str,
+    port: int,
+    python: str = sys.executable,
+    api_server: str | None = None,
 ) -> list[str]:
-    """The process for a pod's runtime container: its args, with the pod's address and port.
+    """The process for a pod's main container, `kvfleet serve` or `kvfleet router`: its args,
+    with the pod's address and port.
 
     `command: [kvfleet]` becomes this interpreter's `-m kvfleet.runtime.cli` (the same
     installation, no PATH lookup); `--host`/`--port` are what the pod network would provide.
+    A router that discovers its replicas is pointed at `api_server` (a real kubelet gives
+    the pod KUBERNETES_SERVICE_HOST/PORT and a token instead) and at the one port every
+    simulated pod serves on.
     """
     args = list(container.get("args") or [])
-    if not args or args[0] != "serve":
-        raise ValueError(f"container {container.get('name')!r} does not run `kvfleet serve`")
-    for flag, value in (("--host", host), ("--port", str(port))):
+    if not args or args[0] not in ("serve", "router"):
+        raise ValueError(
+            f"container {container.get('name')!r} runs neither `kvfleet serve` nor `kvfleet router`"
+        )
+    replaced = [("--host", host), ("--port", str(port))]
+    if args[0] == "router" and "--discover-selector" in args:
+        replaced.append(("--discover-port", str(port)))
+        if api_server is not None:
+            replaced.append(("--discover-api-server", api_server))
+    for flag, value in replaced:
         if flag in args:
             args[args.index(flag) + 1] = value
         else:
@@ -261,6 +277,11 @@ class KubeletSim:
             error = self._task.exception()
             if error is not None:
                 raise RuntimeError("kubelet simulator stopped") from error
+
+    def _api_server(self) -> str | None:
+        """The API server's URL, as the pods' processes reach it."""
+        configuration = getattr(self.api.api_client, "configuration", None)
+        return getattr(configuration, "host", None)
 
     # --- the loop -----------------------------------------------------------------------
     async def _run(self) -> None:
@@ -461,7 +482,7 @@ class KubeletSim:
     async def _start_main(self, pod: SimPod) -> None:
         container = pod.template["spec"]["containers"][0]
         mounts = mount_table(container, pod.volumes)
-        command = serve_command(container, pod.ip, self.port, self.python)
+        command = serve_command(container, pod.ip, self.port, self.python, self._api_server())
         command = [host_path(a, mounts) for a in command]
         env = await self._env(pod, container, mounts)
         if env is None:

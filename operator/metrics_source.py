@@ -8,12 +8,16 @@ Several series per metric (one per `model_name` label set) are combined per pod 
 kvfleet/runtime_load.py says (the parser the router shares): waiting and running summed,
 KV-cache usage the maximum.
 
-Prometheus mode runs three instant queries against `/api/v1/query`, each grouped by pod over
+Prometheus mode runs four instant queries against `/api/v1/query`, each grouped by pod over
 the InferenceService's pods (`NS` and `NAME` filled in, label values escaped):
 
     sum by (pod) (vllm:num_requests_waiting{namespace="NS", app_kubernetes_io_instance="NAME"})
     sum by (pod) (vllm:num_requests_running{namespace="NS", app_kubernetes_io_instance="NAME"})
     max by (pod) (vllm:kv_cache_usage_perc{namespace="NS", app_kubernetes_io_instance="NAME"})
+    sum by (pod) (vllm:request_success_total{namespace="NS", app_kubernetes_io_instance="NAME"})
+
+The last (finished requests, for scale to zero's idle clock) may lack a pod: a counter with no
+request finished yet has no series, which is 0, not missing data.
 
 This assumes the scrape configuration (a PodMonitor or kubernetes_sd relabeling) keeps the
 pod's `app.kubernetes.io/instance` label as `app_kubernetes_io_instance`, plus `namespace`
@@ -35,6 +39,7 @@ from kvfleet.contract import (
     METRICS_PATH,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    REQUEST_SUCCESS,
 )
 
 # The parser is shared with the router; the operator's callers keep reading it from here.
@@ -95,6 +100,7 @@ async def _scrape_one(
         waiting=load.waiting,
         running=load.running,
         kv_usage=load.kv_usage,
+        finished=load.finished,
     )
 
 
@@ -103,12 +109,13 @@ def _failed(target: PodTarget, error: str) -> PodSample:
 
 
 def promql_queries(namespace: str, name: str) -> dict[str, str]:
-    """The three PromQL instant queries for an InferenceService, keyed by signal."""
+    """The four PromQL instant queries for an InferenceService, keyed by signal."""
     selector = f'{{namespace="{_escape(namespace)}", {INSTANCE_LABEL}="{_escape(name)}"}}'
     return {
         "waiting": f"sum by (pod) ({NUM_REQUESTS_WAITING}{selector})",
         "running": f"sum by (pod) ({NUM_REQUESTS_RUNNING}{selector})",
         "kv_usage": f"max by (pod) ({KV_CACHE_USAGE_PERC}{selector})",
+        "finished": f"sum by (pod) ({REQUEST_SUCCESS}_total{selector})",
     }
 
 
@@ -146,7 +153,11 @@ async def query_prometheus(
 
     samples = []
     for target in targets:
-        lacking = [signal for signal, result in by_signal.items() if target.name not in result]
+        lacking = [
+            signal
+            for signal, result in by_signal.items()
+            if target.name not in result and signal != "finished"
+        ]
         if not target.ready:
             samples.append(_failed(target, "pod not ready"))
         elif lacking:
@@ -162,6 +173,7 @@ async def query_prometheus(
                     waiting=by_signal["waiting"][target.name],
                     running=by_signal["running"][target.name],
                     kv_usage=by_signal["kv_usage"][target.name],
+                    finished=by_signal["finished"].get(target.name, 0.0),
                 )
             )
     return samples

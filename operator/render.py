@@ -20,6 +20,7 @@ from kvfleet import contract
 
 MANAGED_BY = "kvfleet-operator"
 APP_NAME = "kvfleet"
+ROUTER_APP_NAME = "kvfleet-router"
 COMPONENT = "inference"
 CONTAINER_NAME = "runtime"
 DOWNLOAD_CONTAINER_NAME = "model-download"
@@ -46,6 +47,12 @@ _DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 def selector_labels(name: str) -> dict[str, str]:
     """The labels that select an InferenceService's pods (immutable on a Deployment)."""
     return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    """The labels that select an InferenceService's router pods (render_router.py): their own
+    app name, so nothing that selects the runtime pods ever counts a router pod."""
+    return {"app.kubernetes.io/name": ROUTER_APP_NAME, "app.kubernetes.io/instance": name}
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -345,8 +352,13 @@ def progress_deadline_seconds(spec: InferenceServiceSpec) -> int:
 
 
 def initial_replicas(spec: InferenceServiceSpec) -> int:
-    """Replicas for a new Deployment: the autoscaler's floor when it owns them, else spec.replicas."""
-    return spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas
+    """Replicas for a new Deployment: the autoscaler's floor when it owns them, else spec.replicas.
+
+    A scale-to-zero service (minReplicas 0) still starts with one replica: a new service that
+    answers shows it works, and it goes to zero once idle for scaleToZeroAfterSeconds."""
+    if spec.autoscaling.enabled:
+        return max(1, spec.autoscaling.min_replicas)
+    return spec.replicas
 
 
 def render_deployment(
@@ -406,9 +418,12 @@ def render_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def render_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """The ClusterIP Service: port 80 to the runtime's port on ready pods."""
+    """The ClusterIP Service clients use: port 80 to the runtime's port on ready pods, or to
+    the kvfleet router's pods while `spec.router` runs one (the URL stays the same)."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
+    routed = parse_spec(isvc.get("spec") or {}).router.kvfleet
+    selector = router_selector_labels(name) if routed else selector_labels(name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -420,7 +435,7 @@ def render_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
         },
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": selector,
             "ports": [
                 {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],

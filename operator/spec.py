@@ -99,6 +99,8 @@ class AutoscalingSpec:
     poll_interval_seconds: int = 15
     metrics_source: str = "scrape"  # one of METRICS_SOURCES once checked
     prometheus_url: str | None = None
+    # With minReplicas 0: seconds without any request before the last replica goes (idle.py).
+    scale_to_zero_after_seconds: int = 300
 
     def check(self) -> AutoscalingSpec:
         """This spec if the autoscaler can work with it; else SpecError naming the field and limit.
@@ -108,12 +110,11 @@ class AutoscalingSpec:
         why it does not scale; the reconciler is Degraded only for what spec_check lists).
         """
         p = "spec.autoscaling"
-        for name, replicas in (
-            ("minReplicas", self.min_replicas),
-            ("maxReplicas", self.max_replicas),
-        ):
-            if replicas < 1:
-                raise SpecError(f"{p}.{name}", f"must be >= 1, got {replicas}")
+        # minReplicas 0 is scale to zero: the router's activator brings the first replica back.
+        if self.min_replicas < 0:
+            raise SpecError(f"{p}.minReplicas", f"must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < 1:
+            raise SpecError(f"{p}.maxReplicas", f"must be >= 1, got {self.max_replicas}")
         if self.max_replicas < self.min_replicas:
             raise SpecError(
                 f"{p}.maxReplicas",
@@ -141,6 +142,18 @@ class AutoscalingSpec:
         ):
             if seconds < 0:
                 raise SpecError(f"{p}.{name}", f"must be >= 0 seconds, got {seconds}")
+        if self.scale_to_zero_after_seconds < 1:
+            raise SpecError(
+                f"{p}.scaleToZeroAfterSeconds",
+                f"must be >= 1 second, got {self.scale_to_zero_after_seconds}",
+            )
+        if self.min_replicas == 0 and self.scale_to_zero_after_seconds < self.poll_interval_seconds:
+            # Idleness is seen once per poll: a shorter timeout could not be honoured.
+            raise SpecError(
+                f"{p}.scaleToZeroAfterSeconds",
+                f"must be >= pollIntervalSeconds ({self.poll_interval_seconds}), "
+                f"got {self.scale_to_zero_after_seconds}",
+            )
         if self.poll_interval_seconds < 1:
             raise SpecError(
                 f"{p}.pollIntervalSeconds", f"must be >= 1 second, got {self.poll_interval_seconds}"
@@ -158,6 +171,41 @@ class AutoscalingSpec:
         if self.metrics_source == "prometheus" and url is None:
             raise SpecError(f"{p}.prometheusURL", "is required when metricsSource is prometheus")
         return self
+
+
+ROUTER_MODES: tuple[str, ...] = ("kvfleet", "inferencePool")
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointPickerRef:
+    """`spec.router.endpointPickerRef`: GIE's endpoint picker Service an InferencePool names."""
+
+    name: str
+    port: int = 9002
+    failure_mode: str = "FailClose"
+
+
+@dataclass(slots=True, frozen=True)
+class RouterSpec:
+    """`spec.router`: `kvfleet router` in front of the replicas, or a GIE InferencePool."""
+
+    enabled: bool = False
+    mode: str = "kvfleet"
+    replicas: int = 1
+    cpu: str = "250m"
+    memory: str = "256Mi"
+    extra_args: tuple[str, ...] = ()
+    endpoint_picker_ref: EndpointPickerRef | None = None
+
+    @property
+    def kvfleet(self) -> bool:
+        """Whether the operator runs `kvfleet router` pods."""
+        return self.enabled and self.mode == "kvfleet"
+
+    @property
+    def inference_pool(self) -> bool:
+        """Whether the operator renders an InferencePool."""
+        return self.enabled and self.mode == "inferencePool"
 
 
 @dataclass(slots=True, frozen=True)
@@ -185,6 +233,7 @@ class InferenceServiceSpec:
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
     pod_labels: Mapping[str, str] = field(default_factory=dict)
+    router: RouterSpec = field(default_factory=RouterSpec)
 
 
 def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
@@ -280,7 +329,46 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
         metrics_source=_get(raw, "metricsSource", str, d.metrics_source, p),
         # The CRD may default it to "": unset, like an absent key.
         prometheus_url=_get(raw, "prometheusURL", str, "", p) or None,
+        scale_to_zero_after_seconds=_get(
+            raw, "scaleToZeroAfterSeconds", int, d.scale_to_zero_after_seconds, p
+        ),
     )
+
+
+def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
+    """Parse a raw `spec.router` dict; SpecError naming the field for a wrong type or value."""
+    p = "spec.router"
+    d = RouterSpec()
+    mode = _get(raw, "mode", str, d.mode, p)
+    if mode not in ROUTER_MODES:
+        raise SpecError(f"{p}.mode", f"must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
+    extra = _get(raw, "extraArgs", list, [], p)
+    if not all(isinstance(a, str) for a in extra):
+        raise SpecError(f"{p}.extraArgs", "must be a list of strings")
+    ref = None
+    if raw.get("endpointPickerRef") is not None:
+        section = _section(raw, "endpointPickerRef", p)
+        rp = f"{p}.endpointPickerRef"
+        name = _get(section, "name", str, "", rp)
+        if not name:
+            raise SpecError(f"{rp}.name", "is required (the endpoint picker's Service)")
+        ref = EndpointPickerRef(
+            name=name,
+            port=_get(section, "port", int, 9002, rp),
+            failure_mode=_get(section, "failureMode", str, "FailClose", rp),
+        )
+    router = RouterSpec(
+        enabled=_get(raw, "enabled", bool, d.enabled, p),
+        mode=mode,
+        replicas=_get(raw, "replicas", int, d.replicas, p),
+        cpu=_quantity(raw, "cpu", d.cpu, p),
+        memory=_quantity(raw, "memory", d.memory, p),
+        extra_args=tuple(extra),
+        endpoint_picker_ref=ref,
+    )
+    if router.inference_pool and ref is None:
+        raise SpecError(f"{p}.endpointPickerRef", "is required when mode is inferencePool")
+    return router
 
 
 def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -366,4 +454,5 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
         topology_spread_constraints=lists["topologySpreadConstraints"],
         volumes=lists["volumes"],
         volume_mounts=lists["volumeMounts"],
+        router=parse_router(_section(raw, "router", p)),
     )

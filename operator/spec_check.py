@@ -144,11 +144,11 @@ def check_spec(
         problems.append(
             SpecProblem("InvalidSpec", f"spec.replicas is {spec.replicas}; it must be >= 0")
         )
-    if auto.min_replicas < 1 or auto.min_replicas > auto.max_replicas:
+    if auto.min_replicas < 0 or auto.min_replicas > auto.max_replicas:
         problems.append(
             SpecProblem(
                 "InvalidSpec",
-                f"spec.autoscaling.minReplicas ({auto.min_replicas}) must be >= 1 and <= "
+                f"spec.autoscaling.minReplicas ({auto.min_replicas}) must be >= 0 and <= "
                 f"maxReplicas ({auto.max_replicas})",
             )
         )

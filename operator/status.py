@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvfleet.operator import conditions as c
+from kvfleet.operator.apply_router import RouterOutcome
 from kvfleet.operator.render import (
     DEFAULT_CLUSTER_DOMAIN,
     DOWNLOAD_CONTAINER_NAME,
@@ -85,6 +86,47 @@ def _deployment_problem(dep_status: Mapping[str, Any]) -> c.Condition | None:
     return None
 
 
+SCALED_TO_ZERO = "ScaledToZero"
+
+
+def _zero_message(isvc: Mapping[str, Any]) -> str:
+    """Why there are no replicas: idle under scale to zero (the next request starts one), or
+    spec.replicas 0 (nothing starts one). health.lua tells them apart by the spec too."""
+    try:
+        spec = parse_spec(isvc.get("spec") or {})
+    except SpecError:
+        return "spec.replicas is 0"
+    auto = spec.autoscaling
+    if auto.enabled and auto.min_replicas == 0:
+        idle = (
+            f"idle: no requests for scaleToZeroAfterSeconds ({auto.scale_to_zero_after_seconds}s)"
+        )
+        if spec.router.kvfleet:
+            return f"{idle}; the router starts a replica on the next request"
+        return (
+            f"{idle}; nothing starts one on a request: spec.router is not the kvfleet router "
+            "(scale up by hand, or enable it)"
+        )
+    return "spec.replicas is 0"
+
+
+def _router_readiness(readiness: c.Condition, deployment: Mapping[str, Any]) -> c.Condition:
+    """Ready as the replicas say, unless no router pod is available to reach them through."""
+    if readiness.status != c.TRUE:
+        return readiness
+    available = int((deployment.get("status") or {}).get("availableReplicas") or 0)
+    if available > 0:
+        return readiness
+    want = int((deployment.get("spec") or {}).get("replicas", 1))
+    return c.Condition(
+        c.READY,
+        c.FALSE,
+        "RouterNotReady",
+        f"{readiness.message}, but 0 of {want} router pods ready (the Service sends clients "
+        "to the router)",
+    )
+
+
 def compute_status(
     isvc: Mapping[str, Any],
     deployment: Mapping[str, Any] | None,
@@ -93,9 +135,12 @@ def compute_status(
     *,
     now: str | None = None,
     cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
+    router: RouterOutcome | None = None,
 ) -> dict[str, Any]:
     """The full `status` to write for an InferenceService, conditions merged with the current
-    ones; `url` under the cluster's DNS domain."""
+    ones; `url` under the cluster's DNS domain (the router's, when one fronts the replicas:
+    the same `<name>` Service). With the kvfleet router on, Ready also needs a ready router
+    pod: clients reach the replicas only through it."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     generation = int(meta.get("generation", 0))
@@ -170,7 +215,7 @@ def compute_status(
                 c.PROGRESSING, c.FALSE, "Complete", f"{desired} replicas run the current spec"
             )
         if desired == 0:
-            readiness = c.Condition(c.READY, c.FALSE, "ScaledToZero", "spec.replicas is 0")
+            readiness = c.Condition(c.READY, c.FALSE, SCALED_TO_ZERO, _zero_message(isvc))
         elif available >= desired and rolled:
             readiness = c.Condition(
                 c.READY, c.TRUE, "AllReplicasReady", f"{available} of {desired} replicas ready"
@@ -184,13 +229,30 @@ def compute_status(
             readiness = c.Condition(
                 c.READY, c.FALSE, "NoReplicasReady", f"0 of {desired} replicas ready"
             )
-        degraded = _pod_problem(pods) or _deployment_problem(d_status)
+        router_pods = (router.pods or []) if router is not None else []
+        degraded = _pod_problem([*pods, *router_pods]) or _deployment_problem(d_status)
+        if router is not None and router.deployment is not None:
+            readiness = _router_readiness(readiness, router.deployment)
+        if degraded is None and router is not None and router.problem is not None:
+            degraded = c.Condition(
+                c.DEGRADED, c.TRUE, router.problem.reason, router.problem.message
+            )
         if degraded is None:
             degraded = c.Condition(c.DEGRADED, c.FALSE, "AsExpected", "")
         updates = [readiness, progress, degraded]
     if not any(u.type == c.DEGRADED for u in updates):
         updates.append(c.Condition(c.DEGRADED, c.FALSE, "AsExpected", ""))
 
+    if router is None:
+        if "router" in old:  # not reconciled this time (a bad spec): as it was
+            status["router"] = old["router"]
+    elif router.mode is None:
+        status["router"] = None  # a merge patch's null: the key goes
+    else:
+        status["router"] = {"mode": router.mode}
+        if router.deployment is not None:
+            r_status = router.deployment.get("status") or {}
+            status["router"]["readyReplicas"] = int(r_status.get("readyReplicas") or 0)
     status["observedGeneration"] = observed
     status["replicas"] = replicas
     status["readyReplicas"] = ready

@@ -43,3 +43,15 @@ def test_the_smallest_block_size_of_several_label_sets_counts():
 def test_a_page_without_the_load_gauges_is_refused():
     with pytest.raises(MetricsParseError, match=contract.NUM_REQUESTS_WAITING):
         parse_runtime_metrics(f'{contract.CACHE_CONFIG_INFO}{{block_size="16"}} 1.0\n')
+
+
+def test_finished_requests_are_summed_over_finish_reasons():
+    # Scale to zero's idle clock: requests that finished between two polls move this count.
+    from kvfleet.runtime.engine.async_engine import EngineStats
+    from kvfleet.runtime.server.metrics import RuntimeMetrics
+
+    stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
+    stats.finished.update({"stop": 4, "length": 3})
+    page = RuntimeMetrics("m", lambda: stats, lambda: None).exposition().decode()
+    assert parse_runtime_metrics(page).finished == 7
+    assert parse_runtime_metrics(runtime_page(None)).finished == 0

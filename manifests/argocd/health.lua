@@ -56,11 +56,31 @@ if progressing ~= nil and progressing.status == "True" then
   return hs
 end
 
--- spec.replicas 0 is a state the user asked for, not a rollout that never ends: Suspended, as
--- Argo CD shows a suspended CronJob or a paused Rollout, once the operator has seen that spec.
+-- Zero replicas, once the operator has seen that spec, is one of two states, neither a rollout
+-- that never ends:
+-- * scale to zero (autoscaling on, minReplicas 0, the kvfleet router in front): the autoscaler
+--   removed the last replica of an idle service, and the router's activator starts one for the
+--   next request without anyone acting. The
+--   service works as designed, so Healthy (idle): Suspended would hold up sync waves and alert
+--   on every quiet night.
+-- * spec.replicas 0, or no router to wake it: nothing will answer until someone acts.
+--   Suspended, as Argo CD shows a suspended CronJob or a paused Rollout.
+local function scales_to_zero(spec)
+  if spec == nil or spec.autoscaling == nil or spec.router == nil then
+    return false
+  end
+  local router = spec.router.enabled == true and (spec.router.mode == nil or spec.router.mode == "kvfleet")
+  return router and spec.autoscaling.enabled == true and spec.autoscaling.minReplicas == 0
+end
+
 if ready ~= nil and ready.status == "False" and ready.reason == "ScaledToZero" then
   local seen = observed(status, ready)
   if seen ~= nil and (generation == nil or seen == generation) then
+    if scales_to_zero(obj.spec) then
+      hs.status = "Healthy"
+      hs.message = "Idle, scaled to zero (" .. (ready.message or "no requests") .. ")"
+      return hs
+    end
     hs.status = "Suspended"
     hs.message = "Scaled to zero replicas (" .. (ready.message or "spec.replicas is 0") .. ")"
     return hs

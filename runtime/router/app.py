@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from kvfleet.runtime.router import activator as act
+from kvfleet.runtime.router.discovery import PodDiscovery
 from kvfleet.runtime.router.forward import UpstreamFailed, forward
 from kvfleet.runtime.router.metrics import RouterMetrics
 from kvfleet.runtime.router.policy import pick_replica
@@ -37,13 +39,23 @@ RETRY_AFTER_S = 1
 class Router:
     """Routes and the background scrape. `app()` builds the aiohttp application."""
 
-    def __init__(self, pool: ReplicaPool, settings: RouterSettings) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        settings: RouterSettings,
+        discovery: PodDiscovery | None = None,
+        activator: act.ActivatorSettings | None = None,
+    ) -> None:
         self.pool = pool
         self.settings = settings
+        self.discovery = discovery  # None: the replicas are the fixed --upstream list
         self.metrics = RouterMetrics(pool)
+        # None: no scale from zero; a request with no ready replica waits --wait-for-replica.
+        self.activator = act.Activator(pool, activator, self.metrics) if activator else None
         self._rng = random.Random(settings.seed)
         self._session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task[None] | None = None
+        self._discoverer: asyncio.Task[None] | None = None
         self._timeout = aiohttp.ClientTimeout(
             total=settings.request_timeout,
             connect=settings.connect_timeout,
@@ -68,16 +80,22 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         self._session = aiohttp.ClientSession(connector=connector)
         s = self.settings
+        if self.discovery is not None:
+            await self.discovery.sync(self.pool, self._session)  # the pods before the scrape
+            self._discoverer = asyncio.create_task(self.discovery.run(self.pool, self._session))
         await scrape_once(self.pool, self._session, s.scrape_timeout)  # know them before serving
         self._scraper = asyncio.create_task(
             scrape_forever(self.pool, self._session, s.scrape_interval, s.scrape_timeout)
         )
 
     async def _stop(self, app: web.Application) -> None:
-        if self._scraper is not None:
-            self._scraper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scraper
+        if self.activator is not None:
+            await self.activator.close()
+        for task in (self._discoverer, self._scraper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._session is not None:
             await self._session.close()
 
@@ -105,9 +123,14 @@ class Router:
     # --- open endpoints --------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         healthy = sum(r.healthy for r in self.pool.replicas)
-        status = 200 if healthy else 503
+        # With an activator the router takes requests at zero replicas (it holds them and
+        # wakes the Deployment): it must stay in its Service, so it is healthy then too.
+        status = 200 if healthy or self.activator is not None else 503
+        state = "ok" if healthy else "no healthy replica"
+        if not healthy and self.activator is not None:
+            state = "no ready replica: the activator holds requests and scales from zero"
         body = {
-            "status": "ok" if healthy else "no healthy replica",
+            "status": state,
             "replicas": {r.url: ("ok" if r.healthy else r.error) for r in self.pool.replicas},
         }
         return web.json_response(body, status=status)
@@ -146,7 +169,10 @@ class Router:
         failure: UpstreamFailed | None = None
         for attempt in range(self.settings.max_attempts):
             if attempt == 0 and not self.pool.any_healthy():
-                await self.pool.wait_for_healthy(self.settings.wait_for_replica)
+                if self.activator is not None:  # held, bounded; 503 when over
+                    await self.activator.hold(self._http())
+                else:
+                    await self.pool.wait_for_healthy(self.settings.wait_for_replica)
             pick = pick_replica(
                 self.pool.views(), key, self.settings.policy, exclude=tried, rng=self._rng
             )
@@ -211,5 +237,8 @@ class Router:
 
 
 def _error_response(exc: APIError) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    headers = None
+    if exc.status == 503:
+        cold = exc.code in ("activator_queue_full", "cold_start_timeout")
+        headers = {"Retry-After": str(act.RETRY_AFTER_S if cold else RETRY_AFTER_S)}
     return web.json_response(exc.body(), status=exc.status, headers=headers)

@@ -31,9 +31,66 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--upstream",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
-        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica)",
+        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each replica); or "
+        "find them with --discover-selector",
+    )
+    k = p.add_argument_group(
+        "Kubernetes discovery",
+        "the replicas are the Ready pods matching a label selector, listed from the API server "
+        "every --discover-interval seconds (in a pod: its service account, which needs "
+        "list on pods in that namespace)",
+    )
+    k.add_argument(
+        "--discover-selector",
+        metavar="SELECTOR",
+        help="label selector of the replicas' pods, e.g. app.kubernetes.io/instance=chat",
+    )
+    k.add_argument(
+        "--discover-namespace",
+        metavar="NS",
+        help="their namespace (default: the router pod's own, from its service account)",
+    )
+    k.add_argument(
+        "--discover-port",
+        type=int,
+        default=contract.RUNTIME_PORT,
+        help="the port the replicas serve on",
+    )
+    k.add_argument(
+        "--discover-interval", type=float, default=1.0, help="seconds between two listings"
+    )
+    k.add_argument(
+        "--discover-api-server",
+        metavar="URL",
+        help="the API server (default: in a pod, https://$KUBERNETES_SERVICE_HOST:"
+        "$KUBERNETES_SERVICE_PORT with the service account's CA and token)",
+    )
+    a = p.add_argument_group(
+        "scale from zero",
+        "with --activate-deployment, a request arriving while no replica is ready is held and "
+        "the Deployment is scaled from 0 to 1 through its scale subresource (the service "
+        "account needs get and patch on deployments/scale); the namespace and API server are "
+        "--discover-namespace and --discover-api-server's",
+    )
+    a.add_argument(
+        "--activate-deployment",
+        metavar="NAME",
+        help="the replicas' Deployment, woken from zero replicas by a request",
+    )
+    a.add_argument(
+        "--activator-queue-limit",
+        type=int,
+        default=100,
+        help="requests held at a time while no replica is ready; more get 503 at once",
+    )
+    a.add_argument(
+        "--cold-start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a held request waits for a ready replica before a 503 (replaces "
+        "--wait-for-replica)",
     )
     p.add_argument(
         "--policy",
@@ -113,12 +170,81 @@ def upstream_url(value: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def discovery_from_args(args: argparse.Namespace) -> object | None:
+    """DiscoverySettings from the --discover-* flags (None without --discover-selector);
+    ValueError names a bad one."""
+    from kvfleet.runtime.router.discovery import SERVICE_ACCOUNT_DIR, DiscoverySettings
+
+    if not args.discover_selector:
+        return None
+    if args.upstream:
+        raise ValueError("upstream: give --upstream or --discover-selector, not both")
+    namespace = args.discover_namespace
+    if not namespace:
+        ns_file = SERVICE_ACCOUNT_DIR / "namespace"
+        if not ns_file.is_file():
+            raise ValueError(
+                "discover-namespace: required outside a pod (no service account namespace file)"
+            )
+        namespace = ns_file.read_text().strip()
+    if not 1 <= args.discover_port <= 65535:
+        raise ValueError(f"discover-port: must be in [1, 65535], got {args.discover_port}")
+    if not args.discover_interval > 0:
+        raise ValueError(f"discover-interval: must be > 0 seconds, got {args.discover_interval}")
+    api = args.discover_api_server
+    if api is not None:
+        parts = urlsplit(api)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"discover-api-server: give http(s)://host:port, got {api!r}")
+    return DiscoverySettings(
+        selector=args.discover_selector,
+        namespace=namespace,
+        port=args.discover_port,
+        api_server=api,
+        interval=args.discover_interval,
+    )
+
+
+def activator_from_args(args: argparse.Namespace) -> object | None:
+    """ActivatorSettings from the scale-from-zero flags (None without --activate-deployment);
+    ValueError names a bad one."""
+    from kvfleet.runtime.router.activator import ActivatorSettings
+    from kvfleet.runtime.router.discovery import SERVICE_ACCOUNT_DIR
+
+    if not args.activate_deployment:
+        return None
+    if args.activator_queue_limit < 1:
+        raise ValueError(
+            f"activator_queue_limit: must be >= 1 request, got {args.activator_queue_limit}"
+        )
+    if not args.cold_start_timeout > 0:
+        raise ValueError(f"cold_start_timeout: must be > 0 seconds, got {args.cold_start_timeout}")
+    namespace = args.discover_namespace
+    if not namespace:
+        ns_file = SERVICE_ACCOUNT_DIR / "namespace"
+        if not ns_file.is_file():
+            raise ValueError(
+                "discover-namespace: required with --activate-deployment outside a pod "
+                "(no service account namespace file)"
+            )
+        namespace = ns_file.read_text().strip()
+    return ActivatorSettings(
+        deployment=args.activate_deployment,
+        namespace=namespace,
+        queue_limit=args.activator_queue_limit,
+        timeout=args.cold_start_timeout,
+        api_server=args.discover_api_server,
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
     """(upstream URLs, RouterSettings) from the flags; ValueError names a bad one."""
     from kvfleet.runtime.router.policy import PolicySettings
     from kvfleet.runtime.router.settings import RouterSettings
 
     urls = [upstream_url(u) for u in args.upstream]
+    if not urls and not args.discover_selector:
+        raise ValueError("upstream: give at least one --upstream URL, or --discover-selector")
     if len(set(urls)) != len(urls):
         raise ValueError(f"upstream: each replica once, got {urls}")
     if not 0 <= args.port <= 65535:
@@ -157,22 +283,35 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         urls, settings = settings_from_args(args)
+        discovery = discovery_from_args(args)
+        activator = activator_from_args(args)
     except ValueError as exc:
         print(f"kvfleet router: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args.host, args.port, urls, settings))
+    return asyncio.run(_serve(args.host, args.port, urls, settings, discovery, activator))
 
 
-async def _serve(host: str, port: int, urls: list[str], settings: object) -> int:
+async def _serve(
+    host: str,
+    port: int,
+    urls: list[str],
+    settings: object,
+    discovery_settings: object = None,
+    activator: object = None,
+) -> int:
     import asyncio
     import signal
 
     from aiohttp import web
     from kvfleet.runtime.router.app import Router
+    from kvfleet.runtime.router.discovery import PodDiscovery
     from kvfleet.runtime.router.replica_pool import ReplicaPool
     from kvfleet.runtime.server.http_runner import OpenAIAppRunner
 
-    router = Router(ReplicaPool(urls), settings)  # type: ignore[arg-type]
+    discovery = None
+    if discovery_settings is not None:
+        discovery = PodDiscovery(discovery_settings)  # type: ignore[arg-type]
+    router = Router(ReplicaPool(urls), settings, discovery, activator)  # type: ignore[arg-type]
     # handler_cancellation: a client that hangs up cancels its handler, which closes the
     # upstream connection, so the replica stops generating for nobody.
     runner = OpenAIAppRunner(router.app(), handler_cancellation=True, access_log=None)
@@ -186,11 +325,14 @@ async def _serve(host: str, port: int, urls: list[str], settings: object) -> int
         return 1
     healthy = sum(r.healthy for r in router.pool.replicas)
     log.info(
-        "routing on http://%s:%s over %d replicas (%d healthy), policy %s",
+        "routing on http://%s:%s over %d replicas (%d healthy)%s, policy %s",
         host,
         port,
-        len(urls),
+        len(router.pool.replicas),
         healthy,
+        f", pods {discovery.settings.selector} in {discovery.settings.namespace}"
+        if discovery is not None
+        else "",
         router.settings.policy.policy,
     )
     stop = asyncio.Event()

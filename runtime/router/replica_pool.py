@@ -1,8 +1,9 @@
 """The replicas the router knows, their last scraped state, and its own in-flight counts.
 
-The set of replicas can change while serving (`set_upstreams`): today it is the `--upstream`
-list; a Kubernetes Service's endpoints, or an activator that scales a Deployment up from zero
-and waits for its first ready pod (`wait_for_healthy`), can drive it the same way.
+The set of replicas can change while serving (`set_upstreams`): the `--upstream` list, or the
+Ready pods that Kubernetes discovery lists (discovery.py); an activator that scales a
+Deployment up from zero and waits for its first ready pod (`wait_for_healthy`) can drive it
+the same way.
 """
 
 from __future__ import annotations

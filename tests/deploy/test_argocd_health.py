@@ -150,13 +150,18 @@ def test_not_ready_and_not_progressing_is_still_progressing() -> None:
     assert run_health(infsvc(1, status)) == ("Progressing", "0/1 replicas ready")
 
 
-def scaled_to_zero(generation: int) -> dict:
-    """An InferenceService at spec.replicas 0 whose Deployment has no pod left, with the status
-    the operator itself computes for it."""
+def scaled_to_zero(
+    generation: int, autoscaling: dict | None = None, router: dict | None = None
+) -> dict:
+    """An InferenceService at 0 replicas (spec.replicas 0, or the autoscaler's scale to zero
+    with `autoscaling`) whose Deployment has no pod left, with the status the operator itself
+    computes for it."""
     from kvfleet.operator.status import compute_status
 
     isvc = infsvc(generation)
     isvc["spec"] = {"model": {"uri": "bundled"}, "replicas": 0}
+    if autoscaling is not None:
+        isvc["spec"] = {"model": {"uri": "bundled"}, "autoscaling": autoscaling, "router": router}
     deployment = {
         "metadata": {"generation": 4, "annotations": {"kvfleet.dev/generation": str(generation)}},
         "spec": {"replicas": 0},
@@ -170,6 +175,38 @@ def test_scaled_to_zero_is_suspended_not_progressing_forever() -> None:
     state, message = run_health(scaled_to_zero(3))
     assert state == "Suspended"
     assert "zero" in message
+
+
+def test_idle_scale_to_zero_is_healthy() -> None:
+    # The autoscaler removed the last replica of an idle service; the router starts one for
+    # the next request: working as designed, not switched off.
+    isvc = scaled_to_zero(
+        3,
+        {"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 120},
+        {"enabled": True},
+    )
+    ready = next(c for c in isvc["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
+    state, message = run_health(isvc)
+    assert state == "Healthy"
+    assert message.startswith("Idle, scaled to zero") and "120s" in message
+
+
+def test_zero_replicas_with_min_replicas_above_zero_stays_suspended() -> None:
+    # Autoscaling on, but minReplicas 1: nothing will bring it back by itself (kubectl scale).
+    isvc = scaled_to_zero(3, {"enabled": True, "minReplicas": 1}, {"enabled": True})
+    assert run_health(isvc)[0] == "Suspended"
+
+
+def test_idle_at_zero_without_the_router_is_suspended() -> None:
+    # minReplicas 0 but no kvfleet router in front: nothing wakes it on a request.
+    for router in (
+        {"enabled": False},
+        {"enabled": True, "mode": "inferencePool", "endpointPickerRef": {"name": "e"}},
+    ):
+        isvc = scaled_to_zero(3, {"enabled": True, "minReplicas": 0}, router)
+        state, message = run_health(isvc)
+        assert state == "Suspended" and "nothing starts one" in message
 
 
 def test_scaled_to_zero_for_an_older_generation_is_progressing() -> None:

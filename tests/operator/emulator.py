@@ -27,6 +27,7 @@ import kmock
 from admission import Admission, WriteOptions
 from api_status import ApiError
 from builtin_schemas import ROOT, chart_minimum_kubernetes, schema_version
+from crd_schema import CrdSchema
 from emulator_apply import ApplyMixin, request_manager
 from emulator_reads import ReadsMixin
 from emulator_resources import CORE, crd_resource
@@ -105,6 +106,14 @@ class RealisticEmulator(ReadsMixin, ApplyMixin, kmock.KubernetesEmulator):
         for crd in self.admission.crds.values():
             path, info = crd_resource(crd)
             self.resources[path] = info
+
+    def install_crd(self, path: pathlib.Path) -> None:
+        """Install a CRD while serving, as a cluster admin would (e.g. GIE's InferencePool):
+        its resource is discoverable and validated from then on."""
+        crd = CrdSchema.load(path)
+        self.admission.crds[(f"{crd.group}/{crd.version['name']}", crd.kind)] = crd
+        resource, info = crd_resource(crd)
+        self.resources[resource] = info
 
     # --- helpers for tests: act as a human or as another controller would -------------------
     def mutate(
@@ -315,6 +324,12 @@ class RealisticEmulator(ReadsMixin, ApplyMixin, kmock.KubernetesEmulator):
     # --- serving ----------------------------------------------------------------------------
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
+        if res is not None and res.plural is not None and self._info(res) is None and res.group:
+            # A resource of an API group the cluster does not serve (a CRD not installed): the
+            # API server's 404, not kmock's own reaction.
+            return ApiError(
+                404, "NotFound", "the server could not find the requested resource"
+            ).response()
         if res is None or res.plural is None or self._info(res) is None:
             # Discovery and anything undeclared: kmock's own reactions (skipping the plain
             # emulator's state-keeping, which would double-store our writes).
@@ -365,6 +380,11 @@ class RealisticEmulator(ReadsMixin, ApplyMixin, kmock.KubernetesEmulator):
             if method == "PATCH":
                 body = merge_patch(self._scale(current), body)
             current.setdefault("spec", {})["replicas"] = body.get("spec", {}).get("replicas", 0)
+            # A resourceVersion in the Scale sent is a precondition on the object, as for the
+            # object itself: a stale one is a 409 (the activator's 0 → 1 relies on it).
+            sent = request.data if isinstance(request.data, dict) else {}
+            if rv := (sent.get("metadata") or {}).get("resourceVersion"):
+                current["metadata"]["resourceVersion"] = rv
             return answer(self._scale(self._write(res, key, current, "scale", opts)))
         if method == "PUT":
             new = request.data or {}

@@ -19,6 +19,12 @@ CORE = {
         kind="PodDisruptionBudget", namespaced=True, subresources={"status"}, verbs=VERBS,
     ),
     "coordination.k8s.io/v1/leases": kmock.ResourceInfo(kind="Lease", namespaced=True, verbs=VERBS),
+    # The kvfleet router's identity and its one permission (spec.router).
+    "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True, verbs=VERBS),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(kind="Role", namespaced=True, verbs=VERBS),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
+        kind="RoleBinding", namespaced=True, verbs=VERBS,
+    ),
     # kopf's backbone: it waits for these to be discoverable before it starts watching.
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"},

@@ -297,15 +297,17 @@ async def test_with_autoscaling_off_the_autoscaler_does_nothing(operator, fake_p
 
 async def test_prometheus_as_the_source(operator, fake_pods, polls):
     k8s = operator.emulator
-    answers: dict[str, float] = {"waiting": 9, "running": 2, "kv_usage": 0.2}
+    answers: dict[str, float] = {"waiting": 9, "running": 2, "kv_usage": 0.2, "finished": 40}
+    metric = {
+        "waiting": "waiting",
+        "running": "running",
+        "kv_usage": "kv_cache",
+        "finished": "request_success",
+    }
 
     async def query(request: web.Request) -> web.Response:
         q = request.query["query"]
-        key = next(
-            k
-            for k in answers
-            if {"waiting": "waiting", "running": "running", "kv_usage": "kv_cache"}[k] in q
-        )
+        key = next(k for k in answers if metric[k] in q)
         result = [{"metric": {"pod": "chat-a"}, "value": [0, str(answers[key])]}]
         return web.json_response(
             {"status": "success", "data": {"resultType": "vector", "result": result}}
@@ -333,3 +335,45 @@ async def test_prometheus_as_the_source(operator, fake_pods, polls):
         timeout=6,
     )
     assert cond["status"] == "False" and f"127.0.0.1:{port}" in cond["message"]
+
+
+async def test_an_idle_service_scales_to_zero_and_says_so(operator, fake_pods, polls):
+    # minReplicas 0: starts with one replica; busy (a request finishes each poll) it stays;
+    # once nothing happens for scaleToZeroAfterSeconds it goes to 0, with an Event and status.
+    k8s = operator.emulator
+    obj = autoscaled(minReplicas=0, scaleToZeroAfterSeconds=3)
+    obj["spec"]["router"] = {"enabled": True}  # the router that wakes it on a request
+    k8s.create_object(ISVC, obj)
+    await eventually(lambda: replicas(k8s) == 1)
+    add_pod(k8s, "chat", "chat-a", IPS[0])
+
+    def finished(n: int) -> str:
+        return (
+            metrics_text(waiting=0, running=0, kv=0.0)
+            + "# TYPE vllm:request_success counter\n"
+            + f'vllm:request_success_total{{model_name="m",finished_reason="stop"}} {n}\n'
+        )
+
+    for done in range(1, 6):  # a request finishing between each two polls: 5 s of activity
+        fake_pods.answers[IPS[0]] = finished(done)
+        await asyncio.sleep(1)
+    assert replicas(k8s) == 1 and not events(k8s, "ScaledToZero")
+    quiet_from = asyncio.get_running_loop().time()
+    await eventually(lambda: replicas(k8s) == 0, timeout=8)
+    assert asyncio.get_running_loop().time() - quiet_from >= 3 - 1  # at most a poll early
+    (event,) = await eventually(lambda: events(k8s, "ScaledToZero"), timeout=3)
+    assert "scaleToZeroAfterSeconds 3" in event["message"] and "scaling 1 → 0" in event["message"]
+    await eventually(lambda: autoscaler_ready(k8s, "reason") == "ScaledToZero", timeout=3)
+    assert autoscaler_ready(k8s, "status") == "True"
+    ready = await eventually(
+        lambda: (
+            (c := find_condition(k8s.get(ISVC, NS, "chat")["status"].get("conditions"), "Ready"))
+            and c["reason"] == "ScaledToZero"
+            and c
+        ),
+        timeout=5,
+    )
+    assert ready["status"] == "False" and "next request" in ready["message"]
+    seen = len(polls)
+    await eventually(lambda: len(polls) >= seen + 2, timeout=5)
+    assert replicas(k8s) == 0  # and it stays there: nothing but the activator brings it back

@@ -108,7 +108,14 @@ def test_spec_reads_camel_case_fields():
 @pytest.mark.parametrize(
     ("raw", "field", "limit"),
     [
-        ({"minReplicas": 0}, "minReplicas", ">= 1"),
+        ({"minReplicas": -1}, "minReplicas", ">= 0"),
+        ({"maxReplicas": 0, "minReplicas": 0}, "maxReplicas", ">= 1"),
+        ({"scaleToZeroAfterSeconds": 0}, "scaleToZeroAfterSeconds", ">= 1 second"),
+        (
+            {"minReplicas": 0, "pollIntervalSeconds": 30, "scaleToZeroAfterSeconds": 10},
+            "scaleToZeroAfterSeconds",
+            ">= pollIntervalSeconds (30)",
+        ),
         ({"minReplicas": 3, "maxReplicas": 2}, "maxReplicas", ">= minReplicas (3)"),
         ({"maxReplicas": "4"}, "maxReplicas", "integer"),
         ({"minReplicas": True}, "minReplicas", "integer"),

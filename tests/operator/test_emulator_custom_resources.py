@@ -48,17 +48,30 @@ BREAKS_RULE = {
     "maxNumBatchedTokens must be >= maxNumSeqs": {"runtime": {"maxNumBatchedTokens": 64, "maxNumSeqs": 128}},
     "minReplicas must be <= maxReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
     "prometheusURL is required when metricsSource is prometheus": {"autoscaling": {"metricsSource": "prometheus"}},
+    "scaleToZeroAfterSeconds must be >= pollIntervalSeconds when minReplicas is 0": {"autoscaling": {"minReplicas": 0, "pollIntervalSeconds": 60, "scaleToZeroAfterSeconds": 30}},
     "volume names dshm, tmp, cache, hf-cache and model are the operator's own": {"volumes": [{"name": "tmp", "emptyDir": {}}]},
     "every volumeMounts entry must name a volume in spec.volumes": {"volumeMounts": [{"name": "v", "mountPath": "/x"}]},
     "/dev/shm, /tmp, /var/cache/kvfleet and /models/ are the operator's own mount paths": {"volumes": [{"name": "v", "emptyDir": {}}], "volumeMounts": [{"name": "v", "mountPath": "/tmp"}]},
+    "endpointPickerRef is required when mode is inferencePool": {"router": {"enabled": True, "mode": "inferencePool"}},
 }  # fmt: skip
 # The one rule on metadata.name (it names the Service): broken by a name, not a spec.
 NAME_RULE = next(m for m in crd_rules() if m.startswith("metadata.name must be a DNS-1035"))
+# With the kvfleet router on, the name also names `<name>-replicas`.
+ROUTER_NAME_RULE = next(m for m in crd_rules() if "with spec.router enabled" in m)
 
 
 def test_every_cel_rule_of_the_crd_has_a_case_here():
     # A rule added to the CRD must get a breaking case above (or this fails).
-    assert set(crd_rules()) == set(BREAKS_RULE) | {NAME_RULE}
+    assert set(crd_rules()) == set(BREAKS_RULE) | {NAME_RULE, ROUTER_NAME_RULE}
+
+
+async def test_a_name_too_long_for_the_routers_services_is_refused_only_with_the_router(kube):
+    name = "a" * 60
+    routed = isvc_with(name, router={"enabled": True})
+    answer = await call(kube.url, "POST", path_of(ISVC, NS), routed)
+    assert answer.status == 422 and any(ROUTER_NAME_RULE in m for m in answer.messages())
+    answer = await call(kube.url, "POST", path_of(ISVC, NS), isvc_with(name))
+    assert answer.status == 201, answer.body
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "3b-chat", "a" * 64])
@@ -100,6 +113,7 @@ async def test_defaults_are_filled_on_create_nested_objects_included(kube):
         "enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
         "targetKVCacheUsage": 0.8, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 300, "pollIntervalSeconds": 15, "metricsSource": "scrape",
+        "scaleToZeroAfterSeconds": 300,
     }  # fmt: skip
     assert spec["replicas"] == 1
     assert kube.emulator.get(ISVC, NS, "chat")["spec"] == spec

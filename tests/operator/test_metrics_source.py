@@ -28,6 +28,7 @@ from kvfleet.contract import (
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
     PROMPT_TOKENS,
+    REQUEST_SUCCESS,
 )
 
 SHORT = 0.3  # seconds: the scrape timeout used against the hanging pod
@@ -239,6 +240,7 @@ def test_promql_selects_the_service_pods_and_groups_by_pod():
         "waiting": f"sum by (pod) ({NUM_REQUESTS_WAITING}{selector})",
         "running": f"sum by (pod) ({NUM_REQUESTS_RUNNING}{selector})",
         "kv_usage": f"max by (pod) ({KV_CACHE_USAGE_PERC}{selector})",
+        "finished": f"sum by (pod) ({REQUEST_SUCCESS}_total{selector})",
     }
 
 
@@ -247,6 +249,7 @@ async def test_prometheus_query_reads_every_pod(session):
         NUM_REQUESTS_WAITING: {"chat-a": 9, "chat-b": 3},
         NUM_REQUESTS_RUNNING: {"chat-a": 8, "chat-b": 8},
         KV_CACHE_USAGE_PERC: {"chat-a": 0.91, "chat-b": 0.55},
+        REQUEST_SUCCESS: {"chat-a": 120},  # chat-b finished none yet: no series, which is 0
     }
     seen: list[str] = []
     async with serve(prometheus_app(answers, seen)) as port:
@@ -262,6 +265,7 @@ async def test_prometheus_query_reads_every_pod(session):
         0.91,
     )
     assert all(s.scraped and s.ready for s in samples)
+    assert (by_pod["chat-a"].finished, by_pod["chat-b"].finished) == (120, 0)
 
 
 async def test_prometheus_query_against_the_operator_pod_list(session):
@@ -270,6 +274,7 @@ async def test_prometheus_query_against_the_operator_pod_list(session):
         NUM_REQUESTS_WAITING: {"chat-a": 9, "chat-old": 50, "chat-d": 1},
         NUM_REQUESTS_RUNNING: {"chat-a": 8, "chat-old": 8, "chat-d": 1},
         KV_CACHE_USAGE_PERC: {"chat-a": 0.91, "chat-old": 1.0, "chat-d": 0.1},
+        REQUEST_SUCCESS: {},
     }
     pods = [("chat-a", "10.0.0.1", True), ("chat-c", "10.0.0.3", True), ("chat-d", "", False)]
     async with serve(prometheus_app(answers, [])) as port:

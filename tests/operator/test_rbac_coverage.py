@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -35,6 +36,16 @@ from operator_processes import (
 from rbac_authorizer import Access, Authorizer, NonResourceAccess, request_accesses
 
 PDB = "policy/v1/poddisruptionbudgets"
+ROLE = "rbac.authorization.k8s.io/v1/roles"
+INFERENCE_POOL = "inference.networking.k8s.io/v1/inferencepools"
+POOL_CRD = Path(__file__).parent / "crds" / "inferencepools.inference.networking.k8s.io.yaml"
+ROUTER_CHILDREN = [
+    (DEPLOYMENT, "chat-router"),
+    (SERVICE, "chat-replicas"),
+    ("v1/serviceaccounts", "chat-router"),
+    ("rbac.authorization.k8s.io/v1/roles", "chat-router"),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "chat-router"),
+]
 NAMESPACE = "v1/namespaces"
 NAME = "chat"
 PODS = ("chat-a", "chat-b")
@@ -118,8 +129,10 @@ def condition(k8s, namespace: str, type_: str) -> str | None:
 
 async def everything_the_operator_does(
     k8s, namespace: str, prometheus_url: str, cluster_domain: str
-) -> None:
-    """One InferenceService's life, from creation to deletion, through every operator path."""
+) -> list[Access]:
+    """One InferenceService's life, from creation to deletion, through every operator path.
+    Returns what the Roles it wrote grant: the API server lets a Role grant only what its
+    creator holds (RBAC's escalation check), so the operator needs those too."""
     k8s.create_object(ISVC, isvc_with(NAME, namespace, replicas=2))
     await eventually(
         lambda: all(k8s.get(r, namespace, NAME) for r in (DEPLOYMENT, SERVICE, PDB)), timeout=30
@@ -144,6 +157,18 @@ async def everything_the_operator_does(
     k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(replicas=1))
     await eventually(lambda: k8s.get(PDB, namespace, NAME) is None, timeout=20)
 
+    # spec.router: the kvfleet router's children, then GIE's InferencePool instead, then off.
+    k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(router={"enabled": True}))
+    for resource, child in ROUTER_CHILDREN:
+        await eventually(lambda r=resource, c=child: k8s.get(r, namespace, c), timeout=20)
+    pool = {"enabled": True, "mode": "inferencePool", "endpointPickerRef": {"name": "epp"}}
+    k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(router=pool))
+    await eventually(lambda: k8s.get(INFERENCE_POOL, namespace, NAME), timeout=20)
+    for resource, child in ROUTER_CHILDREN:
+        await eventually(lambda r=resource, c=child: k8s.get(r, namespace, c) is None, timeout=20)
+    k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(router={"enabled": False}))
+    await eventually(lambda: k8s.get(INFERENCE_POOL, namespace, NAME) is None, timeout=20)
+
     autoscaling = {
         "enabled": True,
         "minReplicas": 1,
@@ -162,8 +187,32 @@ async def everything_the_operator_does(
     await eventually(lambda: desired_replicas(k8s, namespace) == 3, timeout=10)
     assert k8s.get(PDB, namespace, NAME), "autoscaling up to 3 replicas brings the budget back"
 
+    # Scale to zero behind the router: its Role may also wake the Deployment, which the
+    # operator may grant only if it holds that itself (checked below, with the requests).
+    def scale_to_zero(obj: dict) -> None:
+        obj["spec"]["autoscaling"]["minReplicas"] = 0
+        obj["spec"]["router"] = {"enabled": True}
+
+    k8s.mutate(ISVC, namespace, NAME, scale_to_zero)
+    role = await eventually(
+        lambda: (r := k8s.get(ROLE, namespace, "chat-router")) and len(r["rules"]) == 2 and r,
+        timeout=20,
+    )
+
     k8s.remove(ISVC, namespace, NAME)
     await eventually(lambda: k8s.get(DEPLOYMENT, namespace, NAME) is None, timeout=10)
+    return granted_by(role, namespace)
+
+
+def granted_by(role: dict, namespace: str) -> list[Access]:
+    """The accesses a Role's rules grant (no resourceNames: the creator must hold them all)."""
+    return [
+        Access(verb, group, resource.partition("/")[0], resource.partition("/")[2], namespace)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    ]
 
 
 def accesses_of(cluster: Cluster, replica) -> list[Access | NonResourceAccess]:
@@ -183,6 +232,7 @@ async def test_rbac_allows_every_request_and_grants_nothing_unused(cluster, prom
     render, namespaces = INSTALLS[install]
     args, env, objects = render()
     k8s = cluster.kube.emulator
+    k8s.install_crd(POOL_CRD)  # a cluster with GIE: the operator may make InferencePools
     for namespace in {*namespaces, RELEASE_NS, "default"}:  # what a cluster already has
         k8s.create_object(NAMESPACE, {"metadata": {"name": namespace}})
 
@@ -190,7 +240,7 @@ async def test_rbac_allows_every_request_and_grants_nothing_unused(cluster, prom
         (e["value"] for e in env if e["name"] == "KVFLEET_CLUSTER_DOMAIN"), "cluster.local"
     )
     replica = await cluster.start("kvfleet-0", args, env)
-    await asyncio.gather(
+    granted = await asyncio.gather(
         *(everything_the_operator_does(k8s, ns, prometheus, domain) for ns in namespaces)
     )
     await asyncio.sleep(1.5)  # the deletions reach the handlers and the autoscaler daemons
@@ -202,7 +252,7 @@ async def test_rbac_allows_every_request_and_grants_nothing_unused(cluster, prom
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     rbac = Authorizer.from_objects(objects, account, RELEASE_NS)
     assert not rbac.unbound_roles, "a role no binding grants to the operator"
-    accesses = accesses_of(cluster, replica)
+    accesses = accesses_of(cluster, replica) + [a for role in granted for a in role]
     denied = sorted({str(a) for a in accesses if not rbac.allows(a)})
     assert not denied, f"the API server would refuse the operator: {denied}"
     unused = rbac.unused(accesses) - NOT_EXERCISED

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from builtin_schemas import chart_minimum_kubernetes
 from crd_schema import CrdSchema
-from kvfleet.operator.spec import AutoscalingSpec, ResourcesSpec, RuntimeSpec
+from kvfleet.operator.spec import AutoscalingSpec, ResourcesSpec, RouterSpec, RuntimeSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml"
@@ -69,6 +69,8 @@ def test_full_sample_uses_every_spec_field():
         (lambda s: s.setdefault("resources", {}).update(memory="lots"), "spec.resources.memory in body should match"),
         (lambda s: s.update(autoscaling={"minReplicas": 5, "maxReplicas": 2}), "minReplicas must be"),
         (lambda s: s.update(autoscaling={"metricsSource": "prometheus"}), "prometheusURL is required"),
+        (lambda s: s.update(autoscaling={"minReplicas": -1}), "should be greater than or equal to 0"),
+        (lambda s: s.update(autoscaling={"minReplicas": 0, "pollIntervalSeconds": 60, "scaleToZeroAfterSeconds": 30}), "scaleToZeroAfterSeconds must be >= pollIntervalSeconds"),
         (lambda s: s["model"].update(hfTokenSecretRef={"name": "t"}), "only used with hf://"),
         (lambda s: s.pop("model"), "spec.model: Required value"),
         (lambda s: s["model"].update(sizeHint="8Gi"), "sizeHint is only used with hf://"),
@@ -81,7 +83,8 @@ def test_full_sample_uses_every_spec_field():
     ],
     ids=[
         "negative-replicas", "unknown-scheme", "hf-without-org", "unknown-field", "block-size",
-        "dtype", "kv-fraction", "quantity", "min-gt-max", "prometheus-url", "token-without-hf",
+        "dtype", "kv-fraction", "quantity", "min-gt-max", "prometheus-url", "negative-min",
+        "idle-shorter-than-poll", "token-without-hf",
         "no-model", "size-hint-without-hf", "cache-without-hf", "size-hint-word",
         "size-hint-unit", "cache-without-pvc", "cache-pvc-name", "cache-unknown-field",
     ],
@@ -122,12 +125,23 @@ def camel(name: str) -> str:
 
 @pytest.mark.parametrize("section,cls", [
     ("runtime", RuntimeSpec), ("resources", ResourcesSpec), ("autoscaling", AutoscalingSpec),
+    ("router", RouterSpec),
 ])  # fmt: skip
 def test_operator_defaults_equal_the_crd_defaults(section, cls):
     ours = {camel(f.name): getattr(cls(), f.name) for f in dataclasses.fields(cls)}
     for key, value in schema_defaults(section).items():
         theirs = ours[key]
         assert (list(theirs) if isinstance(theirs, tuple) else theirs) == value, key
+
+
+def test_endpoint_picker_defaults_equal_the_crd_defaults():
+    from kvfleet.operator.spec import EndpointPickerRef
+
+    props = schema_defaults("router")
+    ref = SCHEMA["properties"]["spec"]["properties"]["router"]["properties"]["endpointPickerRef"]
+    assert props["mode"] == "kvfleet" and props["enabled"] is False
+    assert ref["properties"]["port"]["default"] == EndpointPickerRef("e").port
+    assert ref["properties"]["failureMode"]["default"] == EndpointPickerRef("e").failure_mode
 
 
 def test_model_cache_defaults_equal_the_crd_defaults():
@@ -153,6 +167,7 @@ def test_autoscaling_defaults_as_designed():
         "scaleDownStabilizationSeconds": 300,
         "pollIntervalSeconds": 15,
         "metricsSource": "scrape",
+        "scaleToZeroAfterSeconds": 300,
     }
 
 
@@ -171,7 +186,7 @@ def test_crd_api_surface():
     }
     assert "status" in VERSION["subresources"]
     columns = [c["name"] for c in VERSION["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Replicas", "Model", "Queue", "KV%", "URL", "Age"]
+    assert columns == ["Ready", "Status", "Replicas", "Model", "Queue", "KV%", "URL", "Age"]
     status = SCHEMA["properties"]["status"]["properties"]
     assert set(status["autoscaling"]["properties"]) == {
         "desiredReplicas", "currentReplicas", "queueDepth", "kvCacheUsage", "lastScaleTime",
@@ -225,9 +240,23 @@ def test_operator_rbac_is_least_privilege():
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
-    # Children go by garbage collection; only the budget is deleted, when replicas go down to
-    # one. (test_rbac_coverage.py holds every verb against a real run.)
-    assert {k for k, v in verbs.items() if "delete" in v} == {("policy", "poddisruptionbudgets")}
+    # Children go by garbage collection; deleted are only the budget, when replicas go down to
+    # one, and the router's children, when spec.router is turned off or changes mode.
+    # (test_rbac_coverage.py holds every verb against a real run.)
+    assert {k for k, v in verbs.items() if "delete" in v} == {
+        ("policy", "poddisruptionbudgets"),
+        ("apps", "deployments"),
+        ("", "services"),
+        ("", "serviceaccounts"),
+        ("rbac.authorization.k8s.io", "roles"),
+        ("rbac.authorization.k8s.io", "rolebindings"),
+        ("inference.networking.k8s.io", "inferencepools"),
+    }
+    # It grants the router `list pods` in a Role: no escalate or bind, so it may grant only
+    # what it holds itself.
+    assert not any({"escalate", "bind"} & v for v in verbs.values())
+    # Held only to grant it to the router's Role (scale to zero); never written otherwise.
+    assert verbs[("apps", "deployments/scale")] == {"get", "patch"}
     assert "*" not in str(role["rules"])
     assert verbs[("kvfleet.dev", "inferenceservices/status")] == {"patch"}
     assert "update" not in verbs[("kvfleet.dev", "inferenceservices")]  # spec is never written

@@ -91,7 +91,7 @@ def test_the_affine_replica_gets_the_request_while_it_is_not_overloaded():
     [
         {"waiting": 5.0},  # more queued than max_waiting (4)
         {"kv_usage": 0.95},  # cache past max_kv_usage (0.9)
-        {"in_flight": 6},  # over load_factor x the mean load (bounded loads)
+        {"in_flight": 6, "waiting": 1.0},  # queueing, over load_factor x the mean load
     ],
 )
 def test_an_overloaded_affine_replica_spills_to_the_next_in_the_keys_ranking(overload):
@@ -99,6 +99,14 @@ def test_an_overloaded_affine_replica_spills_to_the_next_in_the_keys_ranking(ove
     views = [ReplicaView(n, **(overload if n == ranked[0] else {})) for n in names(3)]
     pick = pick_replica(views, key, PREFIX)
     assert (pick.name, pick.reason) == (ranked[1], FALLBACK_OVERLOADED)
+
+
+def test_a_replica_above_the_mean_load_that_queues_nothing_keeps_its_prefix():
+    # It runs the request in the batch it already runs; elsewhere the prefix is prefilled again.
+    key, ranked = affine_case()
+    views = [ReplicaView(n, in_flight=6 if n == ranked[0] else 0) for n in names(3)]
+    pick = pick_replica(views, key, PREFIX)
+    assert (pick.name, pick.reason) == (ranked[0], AFFINITY)
 
 
 def test_when_every_replica_is_overloaded_the_least_loaded_one_is_picked():

@@ -55,12 +55,33 @@ both ways); manifests/rbac.yaml holds the same rules (tests/deploy compares them
 # The children, server-side applied (a PATCH; the API server also checks `create` when that
 # PATCH creates the object). kopf watches Deployments and Services to put back drift; the
 # autoscaler reads the Deployment and merge-patches its replicas (not deployments/scale).
+# delete: the router's Deployment and its <name>-replicas Service when spec.router is
+# turned off.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [list, watch, create, patch]
+  verbs: [list, watch, create, patch, delete]
+# spec.router (mode kvfleet): the router's ServiceAccount, and a Role letting it list pods
+# in its namespace with its RoleBinding; applied, deleted when the router is turned off.
+# Granting `list pods` needs no `escalate`/`bind`: the operator holds it (below).
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [create, patch, delete]
+# Scale to zero: the router's Role may read and patch the runtime Deployment's scale (its
+# activator wakes it, 0 -> 1). A Role grants only what its creator holds, so the operator
+# holds these too; it never uses them itself.
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [get, patch]
+# spec.router (mode inferencePool): GIE's InferencePool, where its CRD is installed.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [create, patch, delete]
 # The PodDisruptionBudget for more than one replica: read, applied, deleted when replicas go
 # down to one (garbage collection removes it with its InferenceService).
 - apiGroups: [policy]
