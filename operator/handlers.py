@@ -168,9 +168,11 @@ UNSERVABLE = frozenset(
 )
 
 
-# Degraded reasons that an install elsewhere fixes (a missing CRD), not a spec change.
+# Degraded reasons that an install elsewhere fixes (a missing CRD), not a spec change: the
+# handler retries after API_RECHECK_SECONDS. While it waits, kopf holds the object's next spec
+# change too (events of its children still reconcile it at once), so the delay stays short.
 WAIT_FOR_API = frozenset({INFERENCE_POOL_MISSING})
-API_RECHECK_SECONDS = 60
+API_RECHECK_SECONDS = 15
 
 
 def _fail_if_unservable(status: Mapping[str, Any]) -> None:

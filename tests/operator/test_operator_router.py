@@ -83,6 +83,7 @@ async def test_an_inference_pool_without_gie_installed_is_degraded_then_made_onc
     await eventually(lambda: condition(k8s, "Degraded") == ("False", "AsExpected"))
     await eventually(lambda: router_status(k8s) == {"mode": "inferencePool"})
 
+    # The spec change waits for the handler's recheck of the missing API (15 s at most).
     k8s.mutate(ISVC, NS, "chat", lambda o: o["spec"].update(router={"enabled": False}))
-    await eventually(lambda: k8s.get(POOL, NS, "chat") is None)
+    await eventually(lambda: k8s.get(POOL, NS, "chat") is None, timeout=30)
     await eventually(lambda: router_status(k8s) is None)
