@@ -75,6 +75,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Most prompt tokens one request computes in a step (0: up to the whole step budget).
+    long_prefill_token_threshold: int = 0
     seed: int = 0
     served_model_name: str | None = None
     num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
@@ -114,6 +116,11 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                "long_prefill_token_threshold: must be >= 0 (0: no cap), got "
+                f"{self.long_prefill_token_threshold}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
@@ -200,6 +207,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.enable_chunked_prefill,
         help="split long prompts across steps",
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="most prompt tokens one request computes in a step, so that prompts behind a "
+        "long one share the step instead of waiting for its whole prefill (0: no cap beyond "
+        "--max-num-batched-tokens; only with chunked prefill)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
     g.add_argument(

@@ -126,7 +126,12 @@ class LLMEngine:
             max_batched = max(max_batched, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max_batched, config.enable_chunked_prefill),
+            SchedulerConfig(
+                config.max_num_seqs,
+                max_batched,
+                config.enable_chunked_prefill,
+                config.long_prefill_token_threshold,
+            ),
             self.kv,
         )
         self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device, self.workers)

@@ -1,10 +1,24 @@
 """Iteration-level continuous batching.
 
 Each step gets a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
-Running requests go first (a decode needs one token; a prompt being chunked needs the rest of
-its prompt), then waiting requests in arrival order, admitted only when the KV cache can hold
-what they need now. When blocks run out, the newest running request is preempted: its blocks
-are freed and it is recomputed later (its tokens are kept, so nothing is lost).
+A step is filled in three passes:
+
+1. running decodes, one token each: a prompt never takes a running stream's place;
+2. running requests part-way through their prompt (or a recompute), oldest first;
+3. waiting requests in arrival order, admitted only when the KV cache can hold what they need
+   now (head of line: a prompt the cache cannot take yet is not overtaken by a newer one).
+
+A prompt's share of one step is at most `long_prefill_token_threshold` tokens (0: the whole
+budget), so several prompts can be part-way through their prefill at once and a short prompt
+that arrived behind a long one is not held back for the whole of the long one's prefill.
+When blocks run out, the newest running request is preempted: its blocks are freed and it is
+recomputed later, before any request that arrived after it (its tokens are kept, so nothing is
+lost).
+
+Why this order (issue 22): a request's first token then depends only on the requests that
+arrived no later than it (each step the oldest unfinished prompt gets at least
+min(threshold, budget - running decodes) tokens), and an earlier prompt that is no longer
+gets its first token no later than a newer one. Tests: tests/runtime/test_scheduler_fairness.py.
 """
 
 from __future__ import annotations
@@ -23,6 +37,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
+    # Most prompt tokens one request computes in a step (0: up to the whole budget). Only with
+    # chunked prefill: without it a prompt is computed in one step or not at all.
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(slots=True)
@@ -49,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._budget = 0  # tokens left in the step being scheduled
 
     # --- bookkeeping -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -95,31 +113,45 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+        # A request scheduled earlier in this step (a decode, newer than the prefill that needs
+        # its blocks) leaves the batch and gives its tokens back.
+        for i in range(len(batch.requests) - 1, -1, -1):
+            if batch.requests[i] is request:
+                del batch.requests[i]
+                self._budget += batch.num_tokens.pop(i)
+                break
 
     # --- the decision ------------------------------------------------------------------------
+    def _chunk_cap(self) -> int:
+        cap = self.config.long_prefill_token_threshold
+        if cap <= 0 or not self.config.enable_chunked_prefill:
+            return self.config.max_num_batched_tokens
+        return cap
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        # Tokens left in this step; a preemption may give some back (see _preempt).
+        self._budget = self.config.max_num_batched_tokens
+        cap = self._chunk_cap()
+        decodes = []
+        prefills = []
+        for r in self.running:
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
-                # Newest first: requests behind `request` are not scheduled yet this step.
-                victim = self.running[-1]
-                self._preempt(victim, batch)
-                if victim is request:
-                    break
-            else:
-                batch.requests.append(request)
-                batch.num_tokens.append(num_new)
-                budget -= num_new
-                i += 1
-            # When `request` itself was preempted, `i` already points at the next one.
+        for request in decodes:
+            if self._budget <= 0:
+                break
+            if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+                self._schedule_running(request, 1, batch)
+        for request in prefills:
+            if self._budget <= 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                remaining = request.num_tokens - request.num_computed_tokens
+                self._schedule_running(request, min(remaining, self._budget, cap), batch)
 
         if not batch.preempted:
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, cap)
 
         now = time.monotonic()
         for request in batch.requests:
@@ -127,15 +159,27 @@ class Scheduler:
                 request.first_scheduled_time = now
         return batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_running(self, request: Request, num_new: int, batch: ScheduledBatch) -> None:
+        while not self.kv.allocate_slots(request, num_new):
+            # Newest first: the oldest requests keep their blocks.
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is request:
+                return
+        batch.requests.append(request)
+        batch.num_tokens.append(num_new)
+        self._budget -= num_new
+
+    def _admit_waiting(self, batch: ScheduledBatch, cap: int) -> None:
+        while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if num_new > budget:
+            if num_new > self._budget:
                 if not self.config.enable_chunked_prefill:
                     break  # the whole prompt must fit one step; try again next step
-                num_new = budget
+                num_new = self._budget
+            num_new = min(num_new, cap)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break  # admission only when the cache has room
             self.waiting.popleft()
@@ -146,4 +190,4 @@ class Scheduler:
             self.running.append(request)
             batch.requests.append(request)
             batch.num_tokens.append(num_new)
-            budget -= num_new
+            self._budget -= num_new
