@@ -182,3 +182,23 @@ def test_keys_placed_on_equally_loaded_replicas_differ_by_at_most_one(n, keys, r
     counts = [table.key_counts().get(x, 0) for x in names(n)]
     assert max(counts) - min(counts) <= 1
     assert sum(counts) == len(keys)
+
+
+def router_args(*extra: str):
+    from kvfleet.runtime.cli import build_parser
+
+    return build_parser().parse_args(["router", "--upstream", "http://127.0.0.1:9", *extra])
+
+
+def test_the_table_size_flag_sizes_the_router_s_table_and_0_turns_it_off():
+    from kvfleet.runtime.router.app import Router
+    from kvfleet.runtime.router.cmd_router import settings_from_args
+
+    urls, s = settings_from_args(router_args())
+    assert Router(ReplicaPool(urls), s).pool.placement.max_keys == 65536
+    urls, s = settings_from_args(router_args("--placement-table-size", "100"))
+    assert Router(ReplicaPool(urls), s).pool.placement.max_keys == 100
+    urls, s = settings_from_args(router_args("--placement-table-size", "0"))
+    assert Router(ReplicaPool(urls), s).pool.placement is None
+    with pytest.raises(ValueError, match="placement_table_size: must be >= 0 keys, got -1"):
+        settings_from_args(router_args("--placement-table-size", "-1"))
