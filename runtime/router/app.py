@@ -22,7 +22,8 @@ from kvfleet.runtime.router import activator as act
 from kvfleet.runtime.router.discovery import PodDiscovery
 from kvfleet.runtime.router.forward import UpstreamFailed, forward
 from kvfleet.runtime.router.metrics import RouterMetrics
-from kvfleet.runtime.router.policy import pick_replica
+from kvfleet.runtime.router.placement import PlacementTable
+from kvfleet.runtime.router.policy import Placement, pick_replica
 from kvfleet.runtime.router.prefix_key import prefix_key
 from kvfleet.runtime.router.replica_pool import ReplicaPool
 from kvfleet.runtime.router.scraper import scrape_forever, scrape_once
@@ -48,6 +49,8 @@ class Router:
     ) -> None:
         self.pool = pool
         self.settings = settings
+        if pool.placement is None and settings.placement_table_size:
+            pool.placement = PlacementTable(settings.placement_table_size)
         self.discovery = discovery  # None: the replicas are the fixed --upstream list
         self.metrics = RouterMetrics(pool)
         # None: no scale from zero; a request with no ready replica waits --wait-for-replica.
@@ -173,11 +176,25 @@ class Router:
                     await self.activator.hold(self._http())
                 else:
                     await self.pool.wait_for_healthy(self.settings.wait_for_replica)
+            table = self.pool.placement
+            placement = None
+            if table is not None and key is not None:
+                placement = Placement(table.owner(key), table.key_counts())
             pick = pick_replica(
-                self.pool.views(), key, self.settings.policy, exclude=tried, rng=self._rng
+                self.pool.views(),
+                key,
+                self.settings.policy,
+                exclude=tried,
+                rng=self._rng,
+                placement=placement,
             )
             if pick is None:
                 break
+            if table is not None and key is not None:
+                if pick.place:
+                    table.assign(key, pick.name)
+                else:
+                    table.touch(key)
             if attempt > 0:
                 self.metrics.retries.inc()
             elif counted:

@@ -106,6 +106,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "hash picks the replica",
     )
     p.add_argument(
+        "--placement-table-size",
+        type=int,
+        default=d.placement_table_size,
+        help="prefix keys whose replica the router remembers (least recently used forgotten "
+        "first); a new key goes to the replica with the fewest keys; 0: rendezvous hashing only",
+    )
+    p.add_argument(
         "--max-waiting",
         type=float,
         default=dp.max_waiting,
@@ -255,12 +262,17 @@ def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
     for name in ("scrape_interval", "scrape_timeout", "connect_timeout", "request_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"{name}: must be > 0 seconds, got {getattr(args, name)}")
+    if args.placement_table_size < 0:
+        raise ValueError(
+            f"placement_table_size: must be >= 0 keys, got {args.placement_table_size}"
+        )
     if args.wait_for_replica < 0:
         raise ValueError(f"wait_for_replica: must be >= 0 seconds, got {args.wait_for_replica}")
     policy = PolicySettings(args.policy, args.max_waiting, args.max_kv_usage, args.load_factor)
     settings = RouterSettings(
         policy=policy,
         prefix_blocks=args.prefix_blocks,
+        placement_table_size=args.placement_table_size,
         scrape_interval=args.scrape_interval,
         scrape_timeout=args.scrape_timeout,
         connect_timeout=args.connect_timeout,

@@ -1,21 +1,28 @@
 """Which replica gets a request: a pure function of the replicas' state and the prompt's key.
 
-`prefix` (the default), in order:
-1. no key (no prompt of a block or more): the least-loaded healthy replica;
-2. the key's rendezvous ranking over every known replica, healthy or not; the first healthy
-   one is the affine replica (when the top one is unhealthy its keys all move to their
-   runner-up together, so they keep meeting one cache while it is away);
-3. the affine replica unless it is overloaded: more than `max_waiting` requests queued, KV
-   cache at `max_kv_usage` or more, or queueing at all (its last scrape says some request
-   waits) with more than `load_factor` times the mean load (the bound of "consistent hashing
-   with bounded loads", which keeps a hot prefix or an unlucky spread of keys from piling
-   onto one replica). A replica that queues nothing runs a further request in the batch it
-   already runs: sending it elsewhere only costs that replica a prefill of the prefix (at
-   concurrency 6 over 3 replicas, the bound alone moved a third of the requests away from
-   their cache: docs/scaling.md, Measured);
-4. otherwise the next replica in the key's ranking that is not overloaded (a spilled prefix
-   spills to the same place each time, so it is cached there once rather than everywhere),
-   and when every replica is overloaded, the least-loaded one.
+`prefix` (the default):
+1. no key (no prompt of a block or more): the least-loaded healthy replica.
+2. A replica is *overloaded* with more than `max_waiting` requests queued, KV cache at
+   `max_kv_usage` or more, or while queueing at all (its last scrape says some request waits)
+   with more than `load_factor` times the mean load (the bound of "consistent hashing with
+   bounded loads": a hot prefix cannot pile onto one replica). A replica that queues nothing
+   runs a further request in the batch it already runs: sending it elsewhere only costs a
+   prefill of the prefix (at concurrency 6 over 3 replicas, the bound applied at every load
+   moved a third of the requests away from their cache: docs/scaling.md, Measured).
+3. With the router's placement table (placement.py; passed in as a `Placement`, so this stays
+   a pure function): a key placed before goes back to its replica unless that one is
+   overloaded; then it spills to the next replica in the key's rendezvous ranking that is not
+   (so a spilled prefix is cached in one more place, not everywhere) and stays placed where it
+   was. A new key, or one whose replica is down or gone, is placed on the healthy replica that
+   is not overloaded with the fewest keys placed, then the least load, then the best rank in
+   the key's rendezvous ranking: 8 keys over 3 idle replicas land 3/3/2 (hashing alone gave
+   4/3/1 or 5/2/1), and routers with the same history agree. The caller records the
+   placement (`Pick.place`).
+4. Without a table, rendezvous hashing alone: the key's ranking over every known replica,
+   healthy or not; the first healthy one is the affine replica (when the top one is down its
+   keys all move to their runner-up together), taken unless overloaded, else the next in the
+   ranking that is not.
+5. When every replica is overloaded, the least-loaded one.
 
 `least-loaded` and `random` ignore the key (baselines for benchmarks).
 """
@@ -24,8 +31,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvfleet.runtime.router import rendezvous
 
@@ -36,7 +43,8 @@ FALLBACK_UNHEALTHY = "fallback_unhealthy"
 FALLBACK_OVERLOADED = "fallback_overloaded"
 LEAST_LOADED = "least_loaded"
 RANDOM = "random"
-REASONS = (AFFINITY, FALLBACK_UNHEALTHY, FALLBACK_OVERLOADED, LEAST_LOADED, RANDOM)
+NEW_PREFIX = "new_prefix"  # a key placed for the first time (or again, its replica gone)
+REASONS = (AFFINITY, NEW_PREFIX, FALLBACK_UNHEALTHY, FALLBACK_OVERLOADED, LEAST_LOADED, RANDOM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +85,19 @@ class PolicySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """What the router's placement table knows for this request: the replica its key was
+    placed on (None: a new key) and how many keys each replica has placed on it."""
+
+    owner: str | None = None
+    key_counts: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class Pick:
     name: str
     reason: str
+    place: bool = False  # the key is now placed on `name`: the caller records it
 
 
 def pick_replica(
@@ -88,9 +106,11 @@ def pick_replica(
     settings: PolicySettings,
     exclude: Collection[str] = (),
     rng: random.Random | None = None,
+    placement: Placement | None = None,
 ) -> Pick | None:
     """The replica for a request with this prefix key (None: no prefix signal); replicas in
-    `exclude` (already tried for this request) count as unhealthy. None when none is healthy."""
+    `exclude` (already tried for this request) count as unhealthy. None when none is healthy.
+    `placement`: the placement table's view of the key (None: rendezvous hashing alone)."""
     healthy = [r for r in replicas if r.healthy and r.name not in exclude]
     if not healthy:
         return None
@@ -104,12 +124,47 @@ def pick_replica(
     ranked_healthy = [by_name[n] for n in ranked if n in by_name]
     affine = ranked_healthy[0]
     cap = _load_cap(healthy, settings.load_factor)
+    if placement is not None:
+        return _pick_placed(healthy, ranked_healthy, placement, settings, cap, exclude)
     if not _overloaded(affine, settings, cap):
         return Pick(affine.name, AFFINITY if affine.name == ranked[0] else FALLBACK_UNHEALTHY)
     for r in ranked_healthy[1:]:
         if not _overloaded(r, settings, cap):
             return Pick(r.name, FALLBACK_OVERLOADED)
     return Pick(_least_loaded(healthy, ranked_healthy).name, FALLBACK_OVERLOADED)
+
+
+def _pick_placed(
+    healthy: Sequence[ReplicaView],
+    ranked_healthy: Sequence[ReplicaView],
+    placement: Placement,
+    settings: PolicySettings,
+    cap: float,
+    exclude: Collection[str],
+) -> Pick:
+    owner = next((r for r in healthy if r.name == placement.owner), None)
+    if owner is not None:
+        if not _overloaded(owner, settings, cap):
+            return Pick(owner.name, AFFINITY)
+        # Spill without moving the key: the owner holds its prefix and will be free again.
+        # The next not-overloaded replica in the key's ranking, so it spills to one place.
+        for r in ranked_healthy:
+            if r is not owner and not _overloaded(r, settings, cap):
+                return Pick(r.name, FALLBACK_OVERLOADED)
+        return Pick(_least_loaded(healthy, ranked_healthy).name, FALLBACK_OVERLOADED)
+    # A new key, or its replica is down or gone: place it where the fewest keys are. A replica
+    # only skipped for this request (`exclude`: it refused it) keeps the key.
+    retried = placement.owner is not None and placement.owner in exclude
+    reason = NEW_PREFIX if placement.owner is None else FALLBACK_UNHEALTHY
+    position = {r.name: i for i, r in enumerate(ranked_healthy)}
+    open_ = [r for r in healthy if not _overloaded(r, settings, cap)]
+    if not open_:
+        return Pick(_least_loaded(healthy, ranked_healthy).name, FALLBACK_OVERLOADED, not retried)
+    best = min(
+        open_,
+        key=lambda r: (placement.key_counts.get(r.name, 0), r.load, position[r.name]),
+    )
+    return Pick(best.name, reason, not retried)
 
 
 def _load_cap(healthy: Sequence[ReplicaView], load_factor: float) -> float:

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from kvfleet.runtime.router.placement import PlacementTable
 from kvfleet.runtime.router.policy import ReplicaView
 
 DEFAULT_BLOCK_SIZE = 16  # the runtime's and vLLM's default, until a replica says otherwise
@@ -45,15 +46,20 @@ class Replica:
 class ReplicaPool:
     """Replicas by URL. Single event loop: no locks, every change happens between awaits."""
 
-    def __init__(self, urls: Iterable[str]) -> None:
+    def __init__(self, urls: Iterable[str], placement: PlacementTable | None = None) -> None:
         self._replicas: dict[str, Replica] = {}
         self._healthy = asyncio.Event()
+        # Which replica each prefix key was placed on (None: rendezvous hashing alone).
+        self.placement = placement
         self.set_upstreams(urls)
 
     def set_upstreams(self, urls: Iterable[str]) -> None:
-        """Replace the set of replicas, keeping what is known of those that stay."""
+        """Replace the set of replicas, keeping what is known of those that stay; the keys
+        placed on one that left are forgotten (placed afresh on their next request)."""
         wanted = [u.rstrip("/") for u in urls]
         self._replicas = {u: self._replicas.get(u) or Replica(u) for u in wanted}
+        if self.placement is not None:
+            self.placement.retain(self._replicas)
         self._update_event()
 
     @property

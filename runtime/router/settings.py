@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.router.placement import DEFAULT_MAX_KEYS
 from kvfleet.runtime.router.policy import PolicySettings
 
 
@@ -14,6 +15,7 @@ class RouterSettings:
 
     policy: PolicySettings = field(default_factory=PolicySettings)
     prefix_blocks: int = 4  # KV blocks of the prompt that make its key
+    placement_table_size: int = DEFAULT_MAX_KEYS  # prefix keys remembered (LRU); 0: hashing only
     scrape_interval: float = 1.0
     scrape_timeout: float = 2.0
     connect_timeout: float = 5.0

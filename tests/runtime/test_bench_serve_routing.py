@@ -34,7 +34,8 @@ def test_routing_run_reports_both_policies_from_the_replicas_counters(
         assert r["prefix_hit_rate"] == pytest.approx(
             sum(r["replica_prefix_hits"]) / sum(r["replica_prefix_queries"])
         )
-    assert set(prefix["picks"]) <= {"affinity", "fallback_overloaded"} and prefix["picks"]
+    assert set(prefix["picks"]) <= {"affinity", "new_prefix", "fallback_overloaded"}
+    assert 1 <= prefix["picks"].get("new_prefix", 0) <= 3  # each of 3 prompts placed once at most
     assert random_["picks"] == {"random": 12}
     assert result["hit_rate_ratio"] == pytest.approx(
         prefix["prefix_hit_rate"] / random_["prefix_hit_rate"]

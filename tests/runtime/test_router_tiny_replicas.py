@@ -95,7 +95,9 @@ def test_prompts_sharing_a_prefix_are_served_and_cached_by_one_replica(router, r
     # Four of the five found the shared prefix in that replica's cache.
     assert delta(hot, "vllm:prefix_cache_hits_total") >= 4 * 16
     picks = scrape(router)
-    assert metric(picks, "kvfleet_router_picks_total", reason="affinity") >= 5
+    # The first placed the prefix (a new key), the other four went back to it.
+    assert metric(picks, "kvfleet_router_picks_total", reason="new_prefix") >= 1
+    assert metric(picks, "kvfleet_router_picks_total", reason="affinity") >= 4
 
 
 def aborts(server: ServerProcess) -> float:
