@@ -12,6 +12,7 @@ activator started is not removed under it, and once idle again the service goes 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -149,8 +150,15 @@ async def test_idle_goes_to_zero_and_one_request_brings_it_back(
         assert f"scaleToZeroAfterSeconds {IDLE}" in event["message"]
         # The router pod stays ready (in its Service) at zero: it takes the next request.
         assert sim.endpoints(ROUTER) == [router]
-        async with session.get(f"{router}/health") as resp:
-            assert resp.status == 200 and "activator holds" in (await resp.json())["status"]
+        # It learns the pod is gone within a pod listing and a scrape (about a second each).
+        deadline = time.monotonic() + 10
+        while True:
+            async with session.get(f"{router}/health") as resp:
+                health = resp.status, (await resp.json())["status"]
+            if "activator holds" in health[1] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert health[0] == 200 and "activator holds" in health[1], health
 
         # --- one request: held, 0 → 1, answered -------------------------------------
         before = {e.pod for e in sim.events}
