@@ -30,6 +30,17 @@ _FALLBACK_SMS = 132
 
 
 @triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Each sequence cuts its own context into `num_splits` tile-aligned pieces (the last ones
+    may be empty): a short context beside a long one still spreads over the splits, and the
+    launch depends on no host-side length, so a CUDA graph can replay it for any context."""
+    per = (seq_len + num_splits - 1) // num_splits
+    return ((per + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+
+
+# Not specialised on the per-step integers (split count, block-table width): one compile per
+# dtype and head shape serves every step (see triton_prefill).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -40,7 +51,6 @@ def _decode_kernel(
     part_out_ptr,
     part_ml_ptr,
     scale_log2,
-    split_len,
     num_splits,
     stride_qt,
     stride_qh,
@@ -66,6 +76,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     # Splits past this sequence's end have nothing to do; the reduce kernel ignores them.
     if start < seq_len:
@@ -123,13 +134,12 @@ def _decode_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_ml_ptr,
     out_ptr,
-    split_len,
     num_splits,
     stride_ot,
     stride_oh,
@@ -137,10 +147,12 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     used = (seq_len + split_len - 1) // split_len
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -217,8 +229,8 @@ def decode_attention(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, split_len)
+    # No more splits than the longest context has tiles.
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n), MAX_SPLITS))
     split = num_splits > 1
     if split:
         part_out = torch.empty(
@@ -240,7 +252,6 @@ def decode_attention(
         part_out,
         part_ml,
         scale * math.log2(math.e),
-        split_len,
         num_splits,
         query.stride(0),
         query.stride(1),
@@ -268,13 +279,13 @@ def decode_attention(
             part_out,
             part_ml,
             out,
-            split_len,
             num_splits,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=MAX_SPLITS,  # fixed, so that one compile serves every split count
+            BLOCK_N=block_n,
         )
     return out

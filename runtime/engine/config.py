@@ -81,6 +81,7 @@ class EngineConfig:
     served_model_name: str | None = None
     num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
     tensor_parallel_size: int = 1  # ranks (processes, GPUs) the model is sharded over
+    enforce_eager: bool = False  # GPU: run decode steps op by op, without CUDA graphs
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -230,6 +231,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.tensor_parallel_size,
         help="shard the model over N ranks (one process each; N GPUs on CUDA, NCCL; gloo on "
         "CPU): attention heads, MLP and vocabulary split Megatron-style",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="GPU only: run decode steps op by op instead of replaying CUDA graphs (graphs "
+        "take seconds to capture at start and a little memory; one launch per decode step)",
     )
     g.add_argument(
         "--served-model-name",

@@ -134,8 +134,19 @@ class LLMEngine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, mc, self.kv, self.kv_dtype, self.device, self.workers)
-        self.sampler = Sampler(config.seed)
+        # Decode steps replay CUDA graphs on a GPU (one process: the graphs hold no collectives).
+        graphs = self.device.type == "cuda" and not config.enforce_eager and self.workers is None
+        self.runner = ModelRunner(
+            self.model,
+            mc,
+            self.kv,
+            self.kv_dtype,
+            self.device,
+            self.workers,
+            graph_max_batch=config.max_num_seqs if graphs else 0,
+            max_model_len=self.max_model_len,
+        )
+        self.sampler = Sampler(config.seed, self.device)
         self.counters = EngineCounters()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()

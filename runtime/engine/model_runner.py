@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.runtime.engine.decode_graphs import DecodeGraphs
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.scheduler import ScheduledBatch
@@ -33,7 +34,9 @@ class StepLogits:
     """What one forward pass hands the engine."""
 
     sample_rows: list[Request]  # the requests that now need a sampled token
-    logits: torch.Tensor  # their float32 last-token logits [len(sample_rows), vocab], on CPU
+    # Their float32 last-token logits [len(sample_rows), vocab], on the model's device: the
+    # sampler runs there, so a GPU returns tokens, not a vocabulary-wide block per row.
+    logits: torch.Tensor
     # Prompt logprobs this step computed, per request that asked, in prompt order.
     prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
 
@@ -126,6 +129,8 @@ class ModelRunner:
         kv_dtype: torch.dtype,  # the cache's: the model's, or fp8 (--kv-cache-dtype)
         device: torch.device,
         workers: StepBroadcaster | None = None,  # the other tensor-parallel ranks, if any
+        graph_max_batch: int = 0,  # capture decode steps up to this batch (0: no graphs)
+        max_model_len: int = 0,  # the longest context a graph must serve
     ) -> None:
         self.model = model
         self.kv = kv
@@ -139,6 +144,12 @@ class ModelRunner:
             kv_dtype,
             device,
         )
+        self.graphs: DecodeGraphs | None = None
+        if graph_max_batch:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    model, self.kv_caches, graph_max_batch, max_model_len, kv.block_size, device
+                )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -203,7 +214,11 @@ class ModelRunner:
         )
         if self.workers is not None:
             self.workers.send_step(inputs)
-        hidden = forward_step(self.model, self.kv_caches, inputs, self.device)
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(len(seq_lens), num_decodes, max_blocks):
+            hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
+        else:
+            hidden = forward_step(self.model, self.kv_caches, inputs, self.device)
         calls = iter(inputs.logit_rows)
 
         def next_logits() -> torch.Tensor:
@@ -214,7 +229,7 @@ class ModelRunner:
         if not sample_rows:
             return StepLogits([], torch.empty(0), prompt_logprobs)
         logits = next_logits()
-        return StepLogits(sample_rows, logits.float().cpu(), prompt_logprobs)
+        return StepLogits(sample_rows, logits, prompt_logprobs)
 
     def _prompt_logprobs(
         self, next_logits: Callable[[], torch.Tensor], span: _PromptSpan

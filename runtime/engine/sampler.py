@@ -5,6 +5,11 @@ seed (the logit biases of the whole batch go in with one indexed add). A seeded 
 its noise from its own generator, so its tokens do not depend on what else is in the batch.
 Sampling uses the exponential-race form of the Gumbel-max trick (argmax p/q with q ~ Exp(1)),
 which draws from softmax without a cumulative sum.
+
+Sampling runs where the logits are: on a GPU only the chosen tokens (and any logprobs asked
+for) come back to the host, not a [rows, vocab] float32 block per step (65 MB at 128 rows of a
+128k vocabulary). A seeded request's noise is drawn on the host from its own CPU generator, so
+a seed gives the same noise on every kind of machine.
 """
 
 from __future__ import annotations
@@ -15,15 +20,15 @@ from kvfleet.runtime.engine.request import Request, TokenLogprob
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: float32 [len(requests), vocab] on CPU, left unchanged (the engine samples
-        rows again one by one when a batch fails, from the same logits)."""
+        """logits: float32 [len(requests), vocab] on the sampler's device, left unchanged (the
+        engine samples rows again one by one when a batch fails, from the same logits)."""
         # Returned logprobs are the model's own distribution: taken before logit_bias, penalties
         # and min_tokens, as vLLM's default does, so a forced token shows how unlikely it was.
         raw_logprobs = None
@@ -38,7 +43,7 @@ class Sampler:
         else:
             tokens = self._sample(logits, requests)
             if greedy:
-                idx = torch.tensor(greedy)
+                idx = torch.tensor(greedy, device=logits.device)
                 tokens[idx] = dispatch.argmax(logits[idx])
         token_list = tokens.tolist()
 
@@ -65,8 +70,10 @@ class Sampler:
         rows = [i for i, bias in biased for _ in bias]
         cols = [t for _, bias in biased for t in bias]
         values = [v for _, bias in biased for v in bias.values()]
-        index = (torch.tensor(rows), torch.tensor(cols))
-        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype), accumulate=True)
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        bias = torch.tensor(values, dtype=logits.dtype, device=dev)
+        return logits.index_put(index, bias, accumulate=True)
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -76,13 +83,14 @@ class Sampler:
         ):
             return logits
         logits = logits.clone()
+        dev = logits.device
         for i, r in enumerate(requests):
             p = r.params
             if p.uses_penalties:
                 row = logits[i]
-                out_ids = torch.tensor(r.output_token_ids, dtype=torch.long)
+                out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
                 if p.repetition_penalty != 1.0:
-                    seen = torch.tensor(r.all_token_ids, dtype=torch.long).unique()
+                    seen = torch.tensor(r.all_token_ids, dtype=torch.long, device=dev).unique()
                     vals = row[seen]
                     row[seen] = torch.where(
                         vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
@@ -99,7 +107,10 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature or 1.0 for r in requests], dtype=logits.dtype)
+        dev = logits.device
+        temps = torch.tensor(
+            [r.params.temperature or 1.0 for r in requests], dtype=logits.dtype, device=dev
+        )
         logits = logits / temps[:, None]
         top_k = [r.params.top_k for r in requests]
         top_p = [r.params.top_p for r in requests]
@@ -108,12 +119,17 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         min_p = [r.params.min_p for r in requests]
         if any(min_p):
-            mp = torch.tensor(min_p, dtype=probs.dtype)[:, None]
+            mp = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
             probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(requests):
-            if r.generator is not None:
+            if r.generator is None:
+                continue
+            if dev.type == "cpu":
                 noise[i].exponential_(generator=r.generator)
+            else:
+                row = torch.empty(probs.shape[-1], dtype=probs.dtype)
+                noise[i].copy_(row.exponential_(generator=r.generator))
         return dispatch.argmax(probs / noise)
 
 
@@ -121,10 +137,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """Mask everything outside each row's top-k and top-p nucleus (the top token always stays)."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k])
-    ranks = torch.arange(vocab)[None, :]
+    dev = logits.device
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev)
+    ranks = torch.arange(vocab, device=dev)[None, :]
     mask = ranks >= k[:, None]
-    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    p = torch.tensor(top_p, dtype=logits.dtype, device=dev)[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     # Drop a token when the tokens ranked above it already reach top_p.
     mask |= (probs.cumsum(dim=-1) - probs) >= p
