@@ -24,7 +24,10 @@ DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 64
 
 
-@triton.jit
+# Triton compiles a variant per "is 1 / divisible by 16" class of each integer argument. These
+# two change from step to step (where the prefills start, the block table's width), so they are
+# not specialised on: one compile serves every step, and the engine's warm-up makes it.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
