@@ -98,7 +98,7 @@ class DecodeRow:
     ratio_to_bound: float
     over_one_sequence: float | None  # this step's median / the 1-sequence step's
     gemm_path: str  # the kernel running the step's projections
-    fused_steps: int  # timed steps that ran the fused one-call decode step
+    fused_steps: int  # timed steps that ran as one call (CPU: the fused C step; GPU: a graph)
     # With --baseline library: the same batch with kvfleet's GEMMs off (step_median_ms,
     # step_min_ms, gemm_path, fused_steps) and this row's speedup over it (median over median).
     baseline: dict | None = None
@@ -180,37 +180,43 @@ def measure_read_rate(device: Any, nbytes: int = READ_PROBE_BYTES, repeats: int 
 
 
 class _Probe:
-    """Wraps the model's forward and LM head, and the fused decode step, of one engine to time
-    each step's parts; `close` puts them back."""
+    """Wraps the model's forward and LM head, the fused decode step and the CUDA-graph replay
+    of one engine to time each step's parts; `close` puts them back. On a GPU each part is
+    timed to its end (synchronised), not to the return of its launches."""
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.times = engine, _StepTimes()
         model = engine.model
         self._forward, self._logits = model.forward, model.compute_logits
         self._stack = model.decode_stack_for(engine.runner.kv_caches)
+        self._graphs = engine.runner.graphs
         times = self.times
+        sync = _synchronizer(engine.device)
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            out = self._forward(*args, **kwargs)
-            times.forward.append(time.perf_counter() - t)
-            return out
+        def timed(fn: Any, into: list[float]) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                sync()
+                t = time.perf_counter()
+                out = fn(*args, **kwargs)
+                sync()
+                into.append(time.perf_counter() - t)
+                return out
 
-        def logits(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            out = self._logits(*args, **kwargs)
-            times.logits.append(time.perf_counter() - t)
-            return out
+            return wrapper
 
-        model.forward, model.compute_logits = forward, logits
-        if self._stack is not None:
-            self._run = self._stack.run
+        model.forward = timed(self._forward, times.forward)
+        model.compute_logits = timed(self._logits, times.logits)
+        # A fused decode step, on CPU one C call and on a GPU one graph replay, is counted.
+        self._one_call = self._stack if self._stack is not None else self._graphs
+        if self._one_call is not None:
+            self._run = self._one_call.run
+            run = timed(self._run, times.forward) if self._graphs is not None else self._run
 
             def fused_run(*args: Any) -> Any:
                 times.fused += 1
-                return self._run(*args)
+                return run(*args)
 
-            self._stack.run = fused_run
+            self._one_call.run = fused_run
 
     def reset(self) -> None:
         self.times.forward.clear()
@@ -220,8 +226,17 @@ class _Probe:
     def close(self) -> None:
         model = self.engine.model
         del model.forward, model.compute_logits  # the class's methods again
-        if self._stack is not None:
-            del self._stack.run
+        if self._one_call is not None:
+            del self._one_call.run
+
+
+def _synchronizer(device: Any) -> Any:
+    """A call that waits for the device's queued work (nothing to wait for on CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 @contextlib.contextmanager
