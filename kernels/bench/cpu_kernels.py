@@ -59,9 +59,10 @@ class PrefillRow:
     query_tokens: int
     context_tokens: int
     reference_ms: float
-    amx_ms: float | None
-    amx_speedup: float | None
-    amx_tflops: float | None
+    kernel: str | None  # which bf16 prefill kernel ran (cpu_prefill.bf16_kernel), None: none
+    kernel_ms: float | None
+    kernel_speedup: float | None
+    kernel_tflops: float | None
 
 
 @dataclass(slots=True)
@@ -200,18 +201,19 @@ def prefill_row(torch, q_len: int, ctx: int, iters: int) -> PrefillRow:
         return reference.prefill_attention(q, k, v, tables[0], ctx, scale, mask)
 
     reference_ms = min_ms(ref, iters)
-    amx_ms = tflops = None
+    name = kernel_ms = tflops = None
     if cpu_prefill.available() and cpu_prefill.supports(q, k, v):
+        name = cpu_prefill.bf16_kernel()
 
-        def amx():
+        def kernel():
             return cpu_prefill.prefill_attention(q, k, v, tables[0], ctx, scale)
 
-        _verify(torch, f"prefill q={q_len} ctx={ctx} (AMX)", amx(), ref())
-        amx_ms = min_ms(amx, iters)
-        tflops = _attention_flops(q_len, ctx) / (amx_ms * 1e-3) / 1e12
+        _verify(torch, f"prefill q={q_len} ctx={ctx} ({name})", kernel(), ref())
+        kernel_ms = min_ms(kernel, iters)
+        tflops = _attention_flops(q_len, ctx) / (kernel_ms * 1e-3) / 1e12
     return PrefillRow(
-        q_len, ctx, reference_ms, amx_ms,
-        reference_ms / amx_ms if amx_ms else None, tflops,
+        q_len, ctx, reference_ms, name, kernel_ms,
+        reference_ms / kernel_ms if kernel_ms else None, tflops,
     )  # fmt: skip
 
 
@@ -512,7 +514,8 @@ def measure(iters: int) -> dict:
             "block_size": BLOCK_SIZE,
             "dtype": "bfloat16",
         },
-        "amx": cpu_prefill.available(),
+        "amx": cpu_prefill.bf16_kernel() == cpu_prefill.KERNEL_AMX,
+        "bf16_prefill_kernel": cpu_prefill.bf16_kernel(),
         "avx512_bf16_dot": cpu_attention.uses_bf16_dot(),
         "verified_against_reference": True,  # every path, before timing (else KernelMismatch)
         "read_gbps": read_gbps(torch, iters),
@@ -556,12 +559,13 @@ def print_report(report: dict) -> None:
     print(f"device: {report['device']}, {report['threads']} threads, AMX {report['amx']}")
     print(f"memory read (float32 sum): {report['read_gbps']:.1f} GB/s")
     print("prefill attention (9 q / 3 kv heads, D=64, bf16), ms per layer")
-    print(f"{'q':>6} {'ctx':>6} {'torch':>8} {'AMX':>8} {'speedup':>8} {'TFLOP/s':>8}")
+    kernel = report["bf16_prefill_kernel"] or "kernel"
+    print(f"{'q':>6} {'ctx':>6} {'torch':>8} {kernel:>8} {'speedup':>8} {'TFLOP/s':>8}")
     for r in report["prefill"]:
         print(
             f"{r['query_tokens']:>6} {r['context_tokens']:>6} {r['reference_ms']:>8.2f} "
-            f"{_fmt(r['amx_ms'], '8.2f')} {_fmt(r['amx_speedup'], '7.2f')}x "
-            f"{_fmt(r['amx_tflops'], '8.2f')}"
+            f"{_fmt(r['kernel_ms'], '8.2f')} {_fmt(r['kernel_speedup'], '7.2f')}x "
+            f"{_fmt(r['kernel_tflops'], '8.2f')}"
         )
     print("decode attention, ms per layer (GB/s of K/V read)")
     for r in report["decode"]:

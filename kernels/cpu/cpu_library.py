@@ -63,8 +63,9 @@ SIGNATURES: dict[str, list[type]] = {
     # num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads
     "kvfleet_prefill_attention_bf16": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
     "kvfleet_prefill_attention_amx": [],
-    # the same arguments, float32 throughout
+    # the same arguments, float32 throughout; then bf16 on AVX-512 (no AMX), float32 inside
     "kvfleet_prefill_attention_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
+    "kvfleet_prefill_attention_bf16_avx512": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
     # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
     # head_dim, block_size, num_blocks, elem_size
     "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],

@@ -1,8 +1,10 @@
 """The CPU prefill-attention kernels: one sequence's prompt tokens (a chunk, or a suffix after a
 prefix-cache hit) against its paged K/V. bf16 runs on AMX tiles (kernels/cpu/cpu_prefill.c, 1.7-2.6x
-the speed of torch's SDPA flash kernel with head_dim 64, `kvfleet bench cpu-kernels`); float32
-on AVX-512 (kernels/cpu/cpu_prefill_f32.c). Where the CPU or build lacks what a dtype's kernel
-needs (`available`), or the inputs do not fit (`supports`), callers keep the reference's SDPA."""
+the speed of torch's SDPA flash kernel with head_dim 64, `kvfleet bench cpu-kernels`), or where
+the CPU has AVX-512 but no AMX on the float32 AVX-512 kernel, widening bf16 as it reads
+(kernels/cpu/cpu_prefill_f32.c); float32 on that kernel too. Where the CPU or build lacks what a
+dtype's kernel needs (`available`), or the inputs do not fit (`supports`), callers keep the
+reference's SDPA."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from kvfleet.kernels import reference
 from kvfleet.kernels.cpu import cpu_library
 
 _MAX_HEAD_DIM = 256
+# The kernels bf16 prefill may run on (`bf16_kernel`).
+KERNEL_AMX, KERNEL_AVX512 = "AMX", "AVX-512"
+# Tests switch AMX off to run the AVX-512 kernel on an AMX host too.
+ALLOW_AMX = True
 _ERRORS = {1: "unsupported shape", 2: "out of memory", 3: "no AMX or AVX-512 on this CPU or build"}
 
 
@@ -22,23 +28,34 @@ def _amx(lib: object) -> bool:
     return bool(lib.kvfleet_prefill_attention_amx())
 
 
+def bf16_kernel() -> str | None:
+    """Which kernel bf16 prefills run on here: KERNEL_AMX where the CPU grants AMX tiles, else
+    KERNEL_AVX512 where the build has AVX-512, else None (SDPA)."""
+    if not cpu_library.available():
+        return None
+    if ALLOW_AMX and _amx(cpu_library.library()):
+        return KERNEL_AMX
+    return KERNEL_AVX512 if cpu_library.avx512() else None
+
+
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `dtype`'s kernel can run here: the C library builds, and the CPU grants AMX tiles
-    (bf16) or the build has AVX-512 (float32)."""
+    or the build has AVX-512 (bf16), or the build has AVX-512 (float32)."""
     if not cpu_library.available():
         return False
     if dtype == torch.float32:
         return cpu_library.avx512()
-    return dtype == torch.bfloat16 and _amx(cpu_library.library())
+    return dtype == torch.bfloat16 and bf16_kernel() is not None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """CPU tensors of one dtype, bf16 or float32; head-major caches; whole GQA groups; each
-    token's heads packed. bf16 (AMX): head_dim a multiple of 32 up to 256, blocks a multiple of
-    16 tokens; float32: head_dim a multiple of 16 up to 256, any block size."""
+    token's heads packed. bf16 on AMX: head_dim a multiple of 32 up to 256, blocks a multiple of
+    16 tokens; on AVX-512 (float32, or bf16 without AMX): head_dim a multiple of 16 up to 256,
+    any block size."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    bf16 = query.dtype == torch.bfloat16
+    bf16 = query.dtype == torch.bfloat16 and bf16_kernel() == KERNEL_AMX
     return (
         query.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and query.dtype == k_cache.dtype == v_cache.dtype
@@ -75,11 +92,13 @@ def prefill_attention(
     table = block_table.to(torch.int32).contiguous()
     # The storage behind the permuted view: [kv_heads, blocks, block, D], contiguous.
     k_store, v_store = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
-    kernel = (
-        cpu_library.library().kvfleet_prefill_attention_bf16
-        if query.dtype == torch.bfloat16
-        else cpu_library.library().kvfleet_prefill_attention_f32
-    )
+    lib = cpu_library.library()
+    if query.dtype == torch.float32:
+        kernel = lib.kvfleet_prefill_attention_f32
+    elif bf16_kernel() == KERNEL_AMX:
+        kernel = lib.kvfleet_prefill_attention_bf16
+    else:
+        kernel = lib.kvfleet_prefill_attention_bf16_avx512
     status = kernel(
         query.data_ptr(),
         query.stride(0),

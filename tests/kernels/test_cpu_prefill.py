@@ -1,6 +1,6 @@
-"""The CPU prefill-attention kernels (bf16 on AMX, float32 on AVX-512) against a dense float64
-softmax and the SDPA reference, and the dispatch that picks them where the CPU has what they
-need."""
+"""The CPU prefill-attention kernels (bf16 on AMX; float32, and bf16 without AMX, on AVX-512)
+against a dense float64 softmax and the SDPA reference, and the dispatch that picks them where
+the CPU has what they need."""
 
 import pytest
 import torch
@@ -25,18 +25,35 @@ CLOSE = {BF16: TOLERANCE[BF16], F32: dict(atol=1e-5, rtol=1e-5)}
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
-def _need_kernel(dtype=BF16):
-    if not cpu_prefill.available(dtype):
-        pytest.skip(f"this CPU or build has no {'AMX' if dtype == BF16 else 'AVX-512'} (a test "
-                    "below checks which)")  # fmt: skip
+# The kernels a test can run: bf16 on AMX, bf16 on AVX-512 (AMX switched off, so an AMX host
+# tests both), float32 on AVX-512.
+AMX, AVX512_BF16, AVX512_F32 = "amx", "avx512-bf16", "avx512-f32"
+KERNEL_DTYPE = {AMX: BF16, AVX512_BF16: BF16, AVX512_F32: F32}
 
 
-def test_amx_where_the_cpu_has_it():
-    """The bf16 kernel runs wherever the CPU has AMX-BF16, the float32 one wherever it has
-    AVX-512: a build or permission failure there is a bug, so the numeric tests below cannot
-    skip silently on such a machine."""
-    assert cpu_prefill.available() == cpu_has_amx()
-    assert cpu_prefill.available(F32) == ("avx512f" in cpu_flags())
+def _use(kernel: str, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    """Route this test's `kernel` dtype to `kernel`, or skip where this CPU lacks it; its dtype."""
+    monkeypatch.setattr(cpu_prefill, "ALLOW_AMX", kernel == AMX)
+    want = {AMX: cpu_prefill.KERNEL_AMX, AVX512_BF16: cpu_prefill.KERNEL_AVX512}.get(kernel)
+    if kernel == AVX512_F32:
+        if not cpu_prefill.available(F32):
+            pytest.skip("this CPU or build has no AVX-512 (a test below checks which)")
+    elif cpu_prefill.bf16_kernel() != want:
+        pytest.skip(f"this CPU or build has no {want} (a test below checks which)")
+    return KERNEL_DTYPE[kernel]
+
+
+def test_kernels_where_the_cpu_has_them():
+    """bf16 runs on AMX wherever the CPU has AMX-BF16, else on AVX-512 wherever it has that; the
+    float32 kernel wherever it has AVX-512: a build or permission failure there is a bug, so the
+    numeric tests below cannot skip silently on such a machine."""
+    avx512 = "avx512f" in cpu_flags()
+    want = (
+        cpu_prefill.KERNEL_AMX if cpu_has_amx() else cpu_prefill.KERNEL_AVX512 if avx512 else None
+    )
+    assert cpu_prefill.bf16_kernel() == want
+    assert cpu_prefill.available() == (want is not None)
+    assert cpu_prefill.available(F32) == avx512
 
 
 def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0, dtype=BF16):
@@ -67,20 +84,22 @@ CASES = [
     (33, 33, 1, 3, 32, 48),
 ]
 F32_CASES = [(30, 45, 2, 3, 64, 8), (9, 9, 1, 4, 16, 16), (2048, 2048, 3, 3, 64, 16)]
-DTYPE_CASES = [(BF16, *c) for c in CASES] + [(F32, *c) for c in CASES + F32_CASES]
+KERNEL_CASES = (
+    [(AMX, *c) for c in CASES]
+    + [(AVX512_BF16, *c) for c in CASES]
+    + [(AVX512_F32, *c) for c in CASES + F32_CASES]
+)
 
 
 @pytest.mark.parametrize(
-    "dtype,q_len,seq_len,kv_heads,ratio,head_dim,block_size",
-    DTYPE_CASES,
-    ids=[
-        f"{str(c[0])[6:]}-q{c[1]}-ctx{c[2]}-kvh{c[3]}-g{c[4]}-d{c[5]}-bs{c[6]}" for c in DTYPE_CASES
-    ],
+    "kernel,q_len,seq_len,kv_heads,ratio,head_dim,block_size",
+    KERNEL_CASES,
+    ids=[f"{c[0]}-q{c[1]}-ctx{c[2]}-kvh{c[3]}-g{c[4]}-d{c[5]}-bs{c[6]}" for c in KERNEL_CASES],
 )
 def test_prefill_matches_dense_softmax_and_sdpa(
-    dtype, q_len, seq_len, kv_heads, ratio, head_dim, block_size
+    monkeypatch, kernel, q_len, seq_len, kv_heads, ratio, head_dim, block_size
 ):
-    _need_kernel(dtype)
+    dtype = _use(kernel, monkeypatch)
     query, k, v, table = _case(q_len * seq_len, q_len, seq_len, kv_heads, ratio, head_dim,
                                block_size, dtype=dtype)  # fmt: skip
     scale = head_dim**-0.5
@@ -94,12 +113,12 @@ def test_prefill_matches_dense_softmax_and_sdpa(
     torch.testing.assert_close(got, sdpa, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_scores_that_keep_rising_rescale_exactly(dtype):
+@pytest.mark.parametrize("kernel", [AMX, AVX512_BF16, AVX512_F32])
+def test_scores_that_keep_rising_rescale_exactly(monkeypatch, kernel):
     """Keys growing along the sequence (key p scaled by 1 + p / 20) make the scores' range grow
     to hundreds of nats, so the running max passes its slack again and again: every rescale
     must keep the result a softmax (no overflow, no stale-max bias)."""
-    _need_kernel(dtype)
+    dtype = _use(kernel, monkeypatch)
     query, k, v, table = _case(7, 64, 700, 1, 3, 64, 16, ramp=0.05, dtype=dtype)
     scale = 64**-0.5
     got = cpu_prefill.prefill_attention(query, k, v, table, 700, scale)
@@ -112,11 +131,11 @@ def test_scores_that_keep_rising_rescale_exactly(dtype):
     torch.testing.assert_close(got.double(), dense, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice(dtype):
+@pytest.mark.parametrize("kernel", [AMX, AVX512_BF16, AVX512_F32])
+def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice(monkeypatch, kernel):
     """The model's query is a view of the fused qkv projection (token stride > heads * D) and
     the result goes into rows of the step's output tensor."""
-    _need_kernel(dtype)
+    dtype = _use(kernel, monkeypatch)
     q_len, heads, kv_heads, d = 20, 6, 2, 64
     query, k, v, table = _case(3, q_len, 50, kv_heads, heads // kv_heads, d, 16, dtype=dtype)
     qkv = torch.zeros(q_len, (heads + 2 * kv_heads) * d, dtype=dtype)
@@ -145,9 +164,12 @@ def _mixed_batch(dtype=BF16, block_size=16, activations=BF16):
     return tokens, k, v, meta
 
 
-@pytest.mark.parametrize("dtype,block_size", [(BF16, 16), (F32, 16), (F32, 8)])
-def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, dtype, block_size):
-    _need_kernel(dtype)
+DISPATCH_CASES = [(AMX, 16), (AVX512_BF16, 16), (AVX512_BF16, 8), (AVX512_F32, 16), (AVX512_F32, 8)]
+
+
+@pytest.mark.parametrize("kernel,block_size", DISPATCH_CASES)
+def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, kernel, block_size):
+    dtype = _use(kernel, monkeypatch)
     calls = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     tokens, k, v, meta = _mixed_batch(dtype, block_size, activations=dtype)
     got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
@@ -156,12 +178,13 @@ def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, dtype, block_size):
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("reason", ["fp8 cache", "bf16 8-token blocks", "kernels off"])
+@pytest.mark.parametrize("reason", ["fp8 cache", "bf16 8-token blocks on AMX", "kernels off"])
 def test_what_the_kernel_does_not_take_stays_on_sdpa(monkeypatch, reason):
     calls = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     if reason == "fp8 cache":
         tokens, k, v, meta = _mixed_batch(dtype=torch.float8_e4m3fn)
-    elif reason == "bf16 8-token blocks":
+    elif reason == "bf16 8-token blocks on AMX":
+        _use(AMX, monkeypatch)
         tokens, k, v, meta = _mixed_batch(block_size=8)
     else:
         monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
