@@ -18,15 +18,20 @@
  * approximation (within 2 ulp).
  *
  * bf16 inputs (kvfleet_prefill_attention_bf16_avx512): where the CPU has AVX-512 but no AMX, the
- * AMX kernel cannot run and torch's SDPA flash kernel took 4.7 ms a layer for a 512-token prompt
+ * AMX kernel cannot run and torch's SDPA flash kernel took 4.4 ms a layer for a 512-token prompt
  * of the bundled model (a third of that prompt's TTFT on a 2-core AVX512-BF16 host). The same
- * kernel takes bf16: each step's K and V rows are widened to float32 once (exact: a shift) into
- * the task's working memory, the query once per tile, so the inner loops are the float32 ones
- * above, and the output is rounded to bf16 (nearest even) as it is written.
+ * tiles and online softmax take bf16, the output rounded to bf16 (nearest even) as written:
+ *   with AVX512-BF16, both products run on vdpbf16ps, two bf16 products summed in float32 per
+ *   lane: S^T from the query as (d, d+1) pairs against the key's pair read in place from the
+ *   cache; O^T from the probabilities rounded to bf16 as (key, key+1) pairs against V, which
+ *   is rearranged into key pairs once per call for all tiles (values_as_pairs). 1.23 ms a
+ *   layer there, 3.6x SDPA.
+ *   without it, each step's K and V rows are widened to float32 (exact) into the task's
+ *   working memory and the float32 loops run.
  *
- * Layouts: query [q_len, num_heads, head_dim] float32 with token stride q_stride elements, heads
+ * Layouts: query [q_len, num_heads, head_dim] float32 (or bf16) with token stride q_stride, heads
  * packed; out the same shape, token stride out_stride; k_cache/v_cache the head-major storage
- * [num_kv_heads, num_blocks, block_size, head_dim] float32; block_table int32 for this
+ * [num_kv_heads, num_blocks, block_size, head_dim] of the same type; block_table int32 for this
  * sequence. head_dim a multiple of 16 up to MAX_HEAD_DIM, any block size. Query head h reads
  * kv head h / (num_heads / num_kv_heads).
  *
@@ -59,6 +64,8 @@ typedef struct {
     float p[KEYS][TILE];          /* one step's scores, then its probabilities */
     float kw[KEYS][MAX_HEAD_DIM]; /* bf16 inputs: the step's K rows, widened */
     float vw[KEYS][MAX_HEAD_DIM]; /* ... and its V rows */
+    uint32_t qp[MAX_HEAD_DIM / 2][TILE]; /* bf16 inputs with AVX512-BF16: Q^T as (d, d+1) pairs */
+    uint32_t pp[KEYS / 2][TILE];         /* ... and P^T as (key, key + 1) pairs */
 } Work;
 
 /* dst[0 .. D) = the bf16 row src widened to float32 (D a multiple of 16). */
@@ -86,6 +93,90 @@ static inline void scores(float (*p)[TILE], const float *const *krow, const Work
         for (int v = 0; v < VECS; v++) _mm512_store_ps(&p[j][v * LANES], acc[j][v]);
 }
 
+#ifdef __AVX512BF16__
+/* scores() on bf16 rows with vdpbf16ps: each lane (a row) multiplies a (d, d+1) pair of its
+ * query by the key's pair, read in place from the cache, and adds both products in float32: half
+ * the instructions of the widened float32 products, the same bf16 inputs. The scale is applied
+ * to the sums (Q^T holds the raw query). */
+static inline void scores_bf16(float (*p)[TILE], const uint16_t *const *krow, const Work *w,
+                               int D, float scale) {
+    __m512 acc[KEY_GROUP][VECS];
+    for (int j = 0; j < KEY_GROUP; j++)
+        for (int v = 0; v < VECS; v++) acc[j][v] = _mm512_setzero_ps();
+    for (int d2 = 0; d2 < D / 2; d2++) {
+        __m512bh q[VECS];
+        for (int v = 0; v < VECS; v++) q[v] = (__m512bh)_mm512_load_si512(&w->qp[d2][v * LANES]);
+        for (int j = 0; j < KEY_GROUP; j++) {
+            uint32_t pair;
+            memcpy(&pair, krow[j] + 2 * d2, sizeof pair);
+            const __m512bh k = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int v = 0; v < VECS; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], k, q[v]);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int j = 0; j < KEY_GROUP; j++)
+        for (int v = 0; v < VECS; v++) _mm512_store_ps(&p[j][v * LANES], _mm512_mul_ps(acc[j][v], s));
+}
+
+/* accumulate() with vdpbf16ps: each lane multiplies its (key, key + 1) pair of probabilities,
+ * rounded to bf16, by the pair of V values broadcast from vt, the step's V^T as pairs
+ * [D][KEYS / 2] (values_as_pairs). */
+static inline void accumulate_bf16(Work *w, const uint32_t *vt, int n, const __m512 *corr, int D) {
+    const int pairs = (n + 1) / 2;
+    for (int d0 = 0; d0 < D; d0 += D_CHUNK) {
+        __m512 o[D_CHUNK][VECS];
+        for (int c = 0; c < D_CHUNK; c++)
+            for (int v = 0; v < VECS; v++)
+                o[c][v] = _mm512_mul_ps(_mm512_load_ps(&w->ot[d0 + c][v * LANES]), corr[v]);
+        for (int jp = 0; jp < pairs; jp++) {
+            __m512bh p[VECS];
+            for (int v = 0; v < VECS; v++) p[v] = (__m512bh)_mm512_load_si512(&w->pp[jp][v * LANES]);
+            for (int c = 0; c < D_CHUNK; c++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)vt[(d0 + c) * (KEYS / 2) + jp]);
+                for (int v = 0; v < VECS; v++) o[c][v] = _mm512_dpbf16_ps(o[c][v], x, p[v]);
+            }
+        }
+        for (int c = 0; c < D_CHUNK; c++)
+            for (int v = 0; v < VECS; v++) _mm512_store_ps(&w->ot[d0 + c][v * LANES], o[c][v]);
+    }
+}
+
+/* pp[jp] = the step's probabilities of keys 2 jp and 2 jp + 1 as bf16 pairs (0 past key n). */
+static inline void probability_pairs(Work *w, int n) {
+    for (int jp = 0; jp < (n + 1) / 2; jp++)
+        for (int v = 0; v < VECS; v++) {
+            const __m512 lo = _mm512_load_ps(&w->p[2 * jp][v * LANES]);
+            const __m512 hi = 2 * jp + 1 < n ? _mm512_load_ps(&w->p[2 * jp + 1][v * LANES])
+                                             : _mm512_setzero_ps();
+            const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+            const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+            _mm512_store_si512(&w->pp[jp][v * LANES], _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+        }
+}
+
+/* One kv head's V for keys [k0, k0 + KEYS) as pairs: vt[d][jp] = V[k0 + 2 jp][d] in the low
+ * half, V[k0 + 2 jp + 1][d] in the high half, 0 past seq_len. Built once per call and shared
+ * by every tile of the head. */
+static void values_as_pairs(uint32_t *vt, const uint16_t *v_head, const int32_t *table,
+                            int seq_len, int k0, int D, int block_size) {
+    for (int jp = 0; jp < KEYS / 2; jp++) {
+        const uint16_t *row[2] = {NULL, NULL};
+        for (int h = 0; h < 2; h++) {
+            const int key = k0 + 2 * jp + h;
+            if (key < seq_len)
+                row[h] = v_head + ((int64_t)table[key / block_size] * block_size +
+                                   key % block_size) * D;
+        }
+        for (int d = 0; d < D; d++)
+            vt[d * (KEYS / 2) + jp] =
+                (row[0] ? row[0][d] : 0u) | (uint32_t)(row[1] ? row[1][d] : 0u) << 16;
+    }
+}
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+
 /* O^T[d] = O^T[d] * corr + sum_j V[j][d] * P^T[j] for the n keys of a step (rows vrow[j]). */
 static inline void accumulate(Work *w, const float *const *vrow, int n, const __m512 *corr,
                               int D) {
@@ -111,8 +202,9 @@ static inline void accumulate(Work *w, const float *const *vrow, int n, const __
  * v_head hold float32, or bf16 where `bf16` is set. */
 static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
                         int64_t out_stride, const void *k_head, const void *v_head,
-                        const int32_t *table, int seq_len, int q_len, int group, int kvh, int r0,
-                        int rows, int D, int block_size, float scale, int bf16) {
+                        const uint32_t *vt, const int32_t *table, int seq_len, int q_len,
+                        int group, int kvh, int r0, int rows, int D, int block_size, float scale,
+                        int bf16) {
     const int first_pos = seq_len - q_len;
     int pos[TILE];
     for (int r = 0; r < TILE; r++) {
@@ -121,7 +213,14 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
         const int row = r0 + (r < rows ? r : rows - 1);
         pos[r] = first_pos + row / group;
         const int64_t q = (int64_t)(row / group) * q_stride + (int64_t)(kvh * group + row % group) * D;
-        for (int d = 0; d < D; d++) w->qt[d][r] = r < rows ? load_act(query, q + d, bf16) * scale : 0.0f;
+        if (bf16 && BF16_DOT) {
+            const uint16_t *qb = (const uint16_t *)query + q;
+            for (int d = 0; d < D; d += 2)
+                w->qp[d / 2][r] = r < rows ? (uint32_t)qb[d] | (uint32_t)qb[d + 1] << 16 : 0;
+        } else {
+            for (int d = 0; d < D; d++)
+                w->qt[d][r] = r < rows ? load_act(query, q + d, bf16) * scale : 0.0f;
+        }
     }
     memset(w->ot, 0, sizeof(float) * (size_t)D * TILE);
     __m512i posv[VECS];
@@ -140,22 +239,34 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
          * its n keys reach. */
         const int scored = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
         const float *krow[KEYS], *vrow[KEYS];
+        const uint16_t *kraw[KEYS]; /* bf16 with AVX512-BF16: K rows in place */
         for (int j = 0; j < scored; j++) {
             /* Keys past last_key (never read in P . V) score a valid row, then are masked. */
             const int key = k0 + (j < n ? j : 0);
             const int64_t offset = ((int64_t)table[key / block_size] * block_size +
                                     key % block_size) * D;
             if (bf16) {
-                widen_row(w->kw[j], (const uint16_t *)k_head + offset, D);
-                widen_row(w->vw[j], (const uint16_t *)v_head + offset, D);
-                krow[j] = w->kw[j];
-                vrow[j] = w->vw[j];
+                if (BF16_DOT) {
+                    kraw[j] = (const uint16_t *)k_head + offset;
+                } else {
+                    widen_row(w->kw[j], (const uint16_t *)k_head + offset, D);
+                    krow[j] = w->kw[j];
+                }
+                if (!BF16_DOT) {
+                    widen_row(w->vw[j], (const uint16_t *)v_head + offset, D);
+                    vrow[j] = w->vw[j];
+                }
             } else {
                 krow[j] = (const float *)k_head + offset;
                 vrow[j] = (const float *)v_head + offset;
             }
         }
-        for (int j = 0; j < scored; j += KEY_GROUP) scores(w->p + j, krow + j, w, D);
+#if BF16_DOT
+        if (bf16)
+            for (int j = 0; j < scored; j += KEY_GROUP) scores_bf16(w->p + j, kraw + j, w, D, scale);
+        else
+#endif
+            for (int j = 0; j < scored; j += KEY_GROUP) scores(w->p + j, krow + j, w, D);
 
         __m512 step_max[VECS];
         for (int v = 0; v < VECS; v++) step_max[v] = _mm512_set1_ps(-INFINITY);
@@ -186,7 +297,15 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
                 _mm512_store_ps(&w->p[j][v * LANES], e);
                 l[v] = _mm512_add_ps(l[v], e);
             }
-        accumulate(w, vrow, n, corr, D);
+#if !BF16_DOT
+        (void)vt, (void)kraw;
+#else
+        if (bf16) {
+            probability_pairs(w, n);
+            accumulate_bf16(w, vt + (size_t)(k0 / KEYS) * D * (KEYS / 2), n, corr, D);
+        } else
+#endif
+            accumulate(w, vrow, n, corr, D);
     }
 
     float inv[TILE];
@@ -220,9 +339,29 @@ static int prefill(const void *query, int64_t q_stride, void *out, int64_t out_s
     const int64_t head_elems = num_blocks * block_size * head_dim; /* one kv head's cache */
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const int rows = q_len * group, tiles = (rows + TILE - 1) / TILE;
+    /* bf16 with AVX512-BF16: every kv head's V as key pairs, steps of KEYS keys. */
+    const int steps = (seq_len + KEYS - 1) / KEYS;
+    const size_t vt_head = (size_t)steps * head_dim * (KEYS / 2);
+    uint32_t *vt = NULL;
+    if (bf16 && BF16_DOT) {
+        vt = aligned_alloc(64, ((vt_head * num_kv_heads * sizeof(uint32_t) + 63) / 64) * 64);
+        if (!vt) return ERR_NOMEM;
+    }
     int status = OK;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
+#if BF16_DOT
+        if (vt) {
+#pragma omp for schedule(static)
+            for (int task = 0; task < num_kv_heads * steps; task++) {
+                const int kvh = task / steps, step = task % steps;
+                values_as_pairs(vt + kvh * vt_head + (size_t)step * head_dim * (KEYS / 2),
+                                (const uint16_t *)v_cache + kvh * head_elems, block_table,
+                                seq_len, step * KEYS, head_dim, block_size);
+            }
+        }
+#endif
+        /* the loop's implicit barrier: every V pair exists before any tile reads it */
         Work *w = aligned_alloc(64, sizeof(Work));
         if (!w) {
 #pragma omp atomic write
@@ -236,11 +375,13 @@ static int prefill(const void *query, int64_t q_stride, void *out, int64_t out_s
             const int r0 = tile * TILE, n = rows - r0 < TILE ? rows - r0 : TILE;
             attend_rows(w, query, q_stride, out, out_stride,
                         (const char *)k_cache + kvh * head_elems * elem,
-                        (const char *)v_cache + kvh * head_elems * elem, block_table, seq_len,
-                        q_len, group, kvh, r0, n, head_dim, block_size, scale, bf16);
+                        (const char *)v_cache + kvh * head_elems * elem,
+                        vt ? vt + kvh * vt_head : NULL, block_table, seq_len, q_len, group, kvh,
+                        r0, n, head_dim, block_size, scale, bf16);
         }
         free(w);
     }
+    free(vt);
     return status;
 #endif
 }

@@ -16,7 +16,7 @@ from kernel_cases import (
     record_rows,
 )
 from kvfleet.kernels import dispatch, reference
-from kvfleet.kernels.cpu import cpu_prefill
+from kvfleet.kernels.cpu import cpu_library, cpu_prefill
 
 BF16, F32 = torch.bfloat16, torch.float32
 # float32 against a float64 softmax: summation order and exp's 2 ulp, nothing more.
@@ -111,6 +111,27 @@ def test_prefill_matches_dense_softmax_and_sdpa(
     torch.testing.assert_close(got.double(), dense, **CLOSE[dtype])
     sdpa = reference.prefill_attention(query, k, v, table, seq_len, scale)
     torch.testing.assert_close(got, sdpa, **TOLERANCE[dtype])
+
+
+def test_bf16_on_avx512_without_bf16_dot_products(monkeypatch):
+    """Built for an AVX-512 CPU without AVX512-BF16 (Skylake-SP, say), bf16 inputs widen to
+    float32 and take the float32 products instead of vdpbf16ps: the same function."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("the regular build here already is one without AVX512-BF16")
+    monkeypatch.setattr(cpu_library, "FLAGS", [*cpu_library.FLAGS, "-mno-avx512bf16"])
+    cpu_library.library.cache_clear()
+    _use(AVX512_BF16, monkeypatch)
+    for q_len, seq_len, kv_heads, ratio, head_dim, block_size in CASES[:5]:
+        query, k, v, table = _case(q_len, q_len, seq_len, kv_heads, ratio, head_dim, block_size)
+        scale = head_dim**-0.5
+        got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+        dense = dense_attention(
+            query,
+            contiguous_context(k, table, seq_len),
+            contiguous_context(v, table, seq_len),
+            scale,
+        )
+        torch.testing.assert_close(got.double(), dense, **CLOSE[BF16])
 
 
 @pytest.mark.parametrize("kernel", [AMX, AVX512_BF16, AVX512_F32])
