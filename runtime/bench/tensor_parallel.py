@@ -41,17 +41,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _timed(llm: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list]:
-    """(prefill seconds, decode seconds per step, greedy tokens) of one engine."""
+    """(prefill seconds, decode seconds per step, greedy tokens) of one engine, from one run:
+    the clock is read when every prompt has its first token and again at the end (two runs
+    subtracted could come out negative on a busy host)."""
     from kvfleet.runtime.engine.sampling_params import SamplingParams
 
-    def go(n: int) -> tuple[float, list]:
-        t = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return time.perf_counter() - t, [o.outputs[0].token_ids for o in outs]
-
-    prefill, _ = go(1)
-    whole, tokens = go(1 + new_tokens)
-    return prefill, (whole - prefill) / new_tokens, tokens
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1 + new_tokens, temperature=0, ignore_eos=True)
+    ids = [f"tp-bench-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {}
+    prefilled = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if prefilled is None and len(tokens) == len(ids) and all(tokens.values()):
+            prefilled = time.perf_counter()
+    end = time.perf_counter()
+    prefilled = prefilled or end
+    return prefilled - start, (end - prefilled) / new_tokens, [tokens[r] for r in ids]
 
 
 def run(args: argparse.Namespace) -> int:
