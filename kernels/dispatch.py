@@ -106,7 +106,7 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned. float32
-    decode-sized steps on CPU run kvfleet's AVX-512 kernel (`cpu_gemm_f32`)."""
+    decode-sized steps on CPU run kvfleet's AVX-512 or AVX2 kernel (`cpu_gemm_f32`)."""
     if isinstance(weight, cpu_linear.PackedLinear):
         return cpu_linear.linear(x, weight, bias)
     if cpu_gemm_f32.takes(x, weight, bias):
@@ -131,7 +131,9 @@ def linear_path(weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> st
             return PATH_TORCH
         return PATH_AMX if cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX else PATH_AVX512_BF16
     x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    return PATH_AVX512_F32 if cpu_gemm_f32.takes(x, weight) else PATH_TORCH
+    if not cpu_gemm_f32.takes(x, weight):
+        return PATH_TORCH
+    return PATH_AVX512_F32 if cpu_gemm_f32.lanes() == 16 else PATH_AVX2
 
 
 def rms_norm_linear(

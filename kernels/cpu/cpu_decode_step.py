@@ -169,12 +169,12 @@ class DecodeStack:
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether this step runs here: only decodes, as many as the per-op path would run on
-        the same GEMM kernel (`cpu_gemm.max_rows()` in bf16, `cpu_gemm_f32.MIN_ROWS` to
+        the same GEMM kernel (`cpu_gemm.max_rows()` in bf16, `cpu_gemm_f32.min_rows()` to
         `MAX_ROWS` in float32), so that fused and per-op give the same bits."""
         if self.dtype == _BF16:
             lo, hi = 1, cpu_gemm.max_rows()
         else:
-            lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
+            lo, hi = cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
         return (
             ENABLED
             and lo <= rows <= hi

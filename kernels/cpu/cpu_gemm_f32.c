@@ -1,5 +1,5 @@
-/* float32 projections of decode-sized steps on AVX-512: y = x . W^T (+ bias) with W the plain
- * [N, K] weight, read in place.
+/* float32 projections of decode-sized steps on AVX-512 or AVX2 + FMA: y = x . W^T (+ bias) with
+ * W the plain [N, K] weight, read in place.
  *
  * Why: float32 is the CPU default where the CPU lacks AVX512-BF16, and there MKL's GEMM (torch's
  * F.linear) ran the bundled model's projections at 0.10 TFLOP/s with 32 rows and 0.15 with 64,
@@ -21,6 +21,12 @@
  *   PR interleaved row streams are more than the hardware prefetcher follows.
  * Results differ from MKL's by float32 summation order.
  *
+ * One source for both instruction sets: the vector width (LANES: 16 on AVX-512, 8 on AVX2) and
+ * a handful of operations are macros below, and the tile and panel shapes follow from the
+ * register count (32 vector registers on AVX-512, 16 on AVX2). AVX2-only CPUs (AMD before Zen
+ * 4, many Intel parts) pick float32, and there MKL's GEMM at 4 rows ran at ~22 GFLOP/s, twice
+ * a one-row step's time for what should cost the same weight stream.
+ *
  * Layouts: x [m, k] with row stride x_stride elements; w [n, k] contiguous; bias [n] or NULL;
  * out [m, n] with row stride out_stride. Any m, n, k >= 1 (dot form: a partial last step along K
  * is masked, partial tiles repeat their last valid row or column; rows in lanes: padded rows are
@@ -35,44 +41,101 @@
 #include "cpu_entry_points.h"
 #include "cpu_math.h"
 
-enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AVX512 = 3 };
+enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3 };
 
-#define LANES 16
 #define NR 4 /* output columns per micro-tile */
-#define MR 4 /* rows per micro-tile: MR x NR = 16 accumulators, one reduce16 */
 #define DOT_MAX_ROWS 16 /* the dot form's last row count; measured in `kvfleet bench cpu-kernels` */
 #define PREFETCH_AHEAD 128 /* elements along a W row fetched into L1 ahead of use (8 lines) */
+#define LINE_FLOATS 16     /* floats per 64-byte cache line */
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
+#define GEMM_SIMD 1
+#define LANES 16
+#define MR 4 /* rows per micro-tile: MR x NR = LANES accumulators, one reduce */
+typedef __m512 vec;
+typedef __m512i veci;
+#define vzero() _mm512_setzero_ps()
+#define vloadu(p) _mm512_loadu_ps(p)
+#define vstoreu(p, v) _mm512_storeu_ps(p, v)
+#define vstore(p, v) _mm512_store_ps(p, v)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vset1(x) _mm512_set1_ps(x)
+#define reduce_lanes reduce16
+/* The first n (< LANES) floats at p, zeros after. */
+static inline vec vload_first(const float *p, int64_t n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+static inline veci lane_offsets_of(int64_t stride) {
+    return _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)stride));
+}
+/* The first `valid` lanes gathered from base + offsets[i], zeros after. */
+static inline vec gather_first(const float *base, veci offsets, int64_t valid) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), (__mmask16)((1u << valid) - 1), offsets,
+                                    base, 4);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMM_SIMD 1
+#define LANES 8
+#define MR 2
+typedef __m256 vec;
+typedef __m256i veci;
+#define vzero() _mm256_setzero_ps()
+#define vloadu(p) _mm256_loadu_ps(p)
+#define vstoreu(p, v) _mm256_storeu_ps(p, v)
+#define vstore(p, v) _mm256_store_ps(p, v)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vset1(x) _mm256_set1_ps(x)
+#define reduce_lanes reduce8
+static inline veci first_lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vec vload_first(const float *p, int64_t n) {
+    return _mm256_maskload_ps(p, first_lanes(n));
+}
+static inline veci lane_offsets_of(int64_t stride) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                              _mm256_set1_epi32((int)stride));
+}
+static inline vec gather_first(const float *base, veci offsets, int64_t valid) {
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, offsets,
+                                    _mm256_castsi256_ps(first_lanes(valid)), 4);
+}
+#else
+#define GEMM_SIMD 0
+#endif
+
+#if GEMM_SIMD
 /* One micro-tile: rows xr[0..MR) against weight rows wr[0..NR), each k long. The sums come
  * back in lane i * NR + j for row i, column j. */
-static inline __m512 tile(const float *const *xr, const float *const *wr, int64_t k) {
-    __m512 acc[MR * NR];
-    for (int t = 0; t < MR * NR; t++) acc[t] = _mm512_setzero_ps();
+static inline vec tile(const float *const *xr, const float *const *wr, int64_t k) {
+    vec acc[MR * NR];
+    for (int t = 0; t < MR * NR; t++) acc[t] = vzero();
     int64_t p = 0;
     for (; p + LANES <= k; p += LANES) {
-        __m512 xv[MR];
-        for (int i = 0; i < MR; i++) xv[i] = _mm512_loadu_ps(xr[i] + p);
+        vec xv[MR];
+        for (int i = 0; i < MR; i++) xv[i] = vloadu(xr[i] + p);
         for (int j = 0; j < NR; j++) {
-            const __m512 wv = _mm512_loadu_ps(wr[j] + p);
-            for (int i = 0; i < MR; i++) acc[i * NR + j] = _mm512_fmadd_ps(xv[i], wv, acc[i * NR + j]);
+            const vec wv = vloadu(wr[j] + p);
+            for (int i = 0; i < MR; i++) acc[i * NR + j] = vfma(xv[i], wv, acc[i * NR + j]);
         }
     }
     if (p < k) {
-        const __mmask16 tail = (__mmask16)((1u << (k - p)) - 1);
-        __m512 xv[MR];
-        for (int i = 0; i < MR; i++) xv[i] = _mm512_maskz_loadu_ps(tail, xr[i] + p);
+        vec xv[MR];
+        for (int i = 0; i < MR; i++) xv[i] = vload_first(xr[i] + p, k - p);
         for (int j = 0; j < NR; j++) {
-            const __m512 wv = _mm512_maskz_loadu_ps(tail, wr[j] + p);
-            for (int i = 0; i < MR; i++) acc[i * NR + j] = _mm512_fmadd_ps(xv[i], wv, acc[i * NR + j]);
+            const vec wv = vload_first(wr[j] + p, k - p);
+            for (int i = 0; i < MR; i++) acc[i * NR + j] = vfma(xv[i], wv, acc[i * NR + j]);
         }
     }
-    return reduce16(acc);
+    return reduce_lanes(acc);
 }
 
 /* A panel of PR columns n0.. for the MV row vectors v0.. of xT (rows padded to mp): MV x PR
- * accumulators, each holding 16 rows of one column. A macro per (MV, PR) so that the
- * accumulators are registers: 24 of them leave room for the MV xT vectors and a broadcast. */
+ * accumulators, each holding LANES rows of one column. A macro per (MV, PR) so that the
+ * accumulators are registers: at most 24 of them on AVX-512 (32 registers) and 12 on AVX2 (16)
+ * leave room for the MV xT vectors and a broadcast. */
 #define ROWS_IN_LANES_PANEL(MV, PR)                                                             \
     static void panel_##MV##x##PR(const float *xT, int64_t mp, int64_t v0, const float *w,     \
                                   int64_t n0, int64_t n, int64_t k, const float *bias,         \
@@ -83,32 +146,32 @@ static inline __m512 tile(const float *const *xr, const float *const *wr, int64_
          * which covers it exactly by the time this panel ends (byte offsets into w). */       \
         const int64_t next = (n0 + PR) * k * (int64_t)sizeof(float);                           \
         const int64_t end = n * k * (int64_t)sizeof(float);                                    \
-        __m512 acc[MV][PR];                                                                    \
+        vec acc[MV][PR];                                                                       \
         _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                                  \
-            _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++) acc[v][j] = _mm512_setzero_ps(); \
+            _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++) acc[v][j] = vzero();         \
         const float *xp = xT + v0 * LANES;                                                     \
         for (int64_t p = 0; p < k; p++, xp += mp) {                                            \
-            if ((p & (LANES - 1)) == 0) {                                                      \
+            if ((p & (LINE_FLOATS - 1)) == 0) {                                                \
                 _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                          \
                     _mm_prefetch((const char *)(wr[j] + p + PREFETCH_AHEAD), _MM_HINT_T0);     \
-                const int64_t line = next + (p / LANES) * PR * 64;                             \
+                const int64_t line = next + (p / LINE_FLOATS) * PR * 64;                       \
                 if (line + PR * 64 <= end)                                                     \
                     _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                      \
                         _mm_prefetch((const char *)w + line + j * 64, _MM_HINT_T1);            \
             }                                                                                  \
-            __m512 xv[MV];                                                                     \
+            vec xv[MV];                                                                        \
             _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                              \
-                xv[v] = _mm512_loadu_ps(xp + v * LANES);                                       \
+                xv[v] = vloadu(xp + v * LANES);                                                \
             _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++) {                            \
-                const __m512 wb = _mm512_set1_ps(wr[j][p]);                                    \
+                const vec wb = vset1(wr[j][p]);                                                \
                 _Pragma("GCC unroll 32") for (int v = 0; v < MV; v++)                          \
-                    acc[v][j] = _mm512_fmadd_ps(xv[v], wb, acc[v][j]);                         \
+                    acc[v][j] = vfma(xv[v], wb, acc[v][j]);                                    \
             }                                                                                  \
         }                                                                                      \
         for (int v = 0; v < MV; v++) {                                                         \
             float cols[PR][LANES];                                                             \
             _Pragma("GCC unroll 32") for (int j = 0; j < PR; j++)                              \
-                _mm512_storeu_ps(cols[j], acc[v][j]);                                          \
+                vstoreu(cols[j], acc[v][j]);                                                   \
             for (int r = 0; r < LANES && (v0 + v) * LANES + r < m; r++) {                      \
                 float *row = out + ((v0 + v) * LANES + r) * out_stride;                        \
                 for (int j = 0; j < PR && n0 + j < n; j++)                                     \
@@ -116,28 +179,32 @@ static inline __m512 tile(const float *const *xr, const float *const *wr, int64_
             }                                                                                  \
         }                                                                                      \
     }
+#if LANES == 16
 ROWS_IN_LANES_PANEL(1, 12)
 ROWS_IN_LANES_PANEL(2, 12)
 ROWS_IN_LANES_PANEL(3, 8)
 ROWS_IN_LANES_PANEL(4, 6)
+#else
+ROWS_IN_LANES_PANEL(1, 12)
+ROWS_IN_LANES_PANEL(1, 6)
+ROWS_IN_LANES_PANEL(2, 6)
+#endif
 
-/* Column p of x as row p of xT: m values x_stride apart gathered 16 rows at a time, rows past m
- * zeroed. A scalar transpose (one strided load per element, on one thread) took 13-17% of a
- * 32-64-row call; gathers on both threads cost a fraction of that. */
+/* Column p of x as row p of xT: m values x_stride apart gathered LANES rows at a time, rows
+ * past m zeroed. A scalar transpose (one strided load per element, on one thread) took 13-17%
+ * of a 32-64-row call; gathers on both threads cost a fraction of that. */
 static inline void pack_column(float *xT_row, const float *x_col, int64_t x_stride, int64_t m,
-                               int64_t mv, __m512i lane_offsets) {
+                               int64_t mv, veci lane_offsets) {
     for (int64_t v = 0; v < mv; v++) {
         const int64_t r0 = v * LANES, valid = m - r0 < LANES ? m - r0 : LANES;
-        const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-        _mm512_store_ps(xT_row + r0, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask,
-                                                              lane_offsets,
-                                                              x_col + r0 * x_stride, 4));
+        vstore(xT_row + r0, gather_first(x_col + r0 * x_stride, lane_offsets, valid));
     }
 }
 
-/* Rows in lanes for m > DOT_MAX_ROWS. Up to 4 row vectors run as one panel shape; more run as
- * 2-vector passes (and a 1-vector tail) over each 12-column panel, which the first pass left
- * in L1 or L2. */
+/* Rows in lanes for m > DOT_MAX_ROWS. On AVX-512 up to 4 row vectors run as one panel shape;
+ * more run as 2-vector passes (and a 1-vector tail) over each 12-column panel, which the first
+ * pass left in L1 or L2. On AVX2 (8 rows a vector) the passes are of 2 vectors over 6-column
+ * panels, and one vector alone takes 12 columns. */
 static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const float *bias,
                          float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                          int num_threads) {
@@ -145,10 +212,12 @@ static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const
     if (x_stride > INT32_MAX / LANES) return ERR_SHAPE; /* gather offsets are 32-bit */
     float *xT = aligned_alloc(64, (size_t)(k * mp) * sizeof(float));
     if (!xT) return ERR_NOMEM;
-    const __m512i lane_offsets =
-        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           _mm512_set1_epi32((int)x_stride));
+    const veci lane_offsets = lane_offsets_of(x_stride);
+#if LANES == 16
     const int pr = mv == 3 ? 8 : mv == 4 ? 6 : 12;
+#else
+    const int pr = mv == 1 ? 12 : 6;
+#endif
     const int64_t panels = (n + pr - 1) / pr;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
@@ -158,6 +227,7 @@ static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < panels; pi++) {
             const int64_t n0 = pi * pr;
+#if LANES == 16
             if (mv == 3) panel_3x8(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
             else if (mv == 4) panel_4x6(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
             else {
@@ -166,6 +236,16 @@ static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const
                     panel_2x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
                 if (v0 < mv) panel_1x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
             }
+#else
+            if (mv == 1) panel_1x12(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
+            else {
+                int64_t v0 = 0;
+                for (; v0 + 2 <= mv; v0 += 2)
+                    panel_2x6(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
+                /* an odd last vector over the same 6 columns */
+                if (v0 < mv) panel_1x6(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
+            }
+#endif
         }
     }
     free(xT);
@@ -173,13 +253,23 @@ static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const
 }
 #endif
 
+/* The vector width this build's kernel runs at: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (none:
+ * kvfleet_linear_f32 answers ERR_NO_SIMD). */
+int kvfleet_linear_f32_lanes(void) {
+#if GEMM_SIMD
+    return LANES;
+#else
+    return 0;
+#endif
+}
+
 int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias,
                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                        int num_threads) {
-#ifndef __AVX512F__
+#if !GEMM_SIMD
     (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)out_stride, (void)m, (void)n;
     (void)k, (void)num_threads;
-    return ERR_NO_AVX512;
+    return ERR_NO_SIMD;
 #else
     if (m < 1 || n < 1 || k < 1 || x_stride < k || out_stride < n) return ERR_SHAPE;
     if (m > DOT_MAX_ROWS)
@@ -194,7 +284,7 @@ int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const f
             const float *xr[MR];
             for (int i = 0; i < MR; i++) xr[i] = x + (m0 + i < m ? m0 + i : m - 1) * x_stride;
             float sums[MR * NR];
-            _mm512_storeu_ps(sums, tile(xr, wr, k));
+            vstoreu(sums, tile(xr, wr, k));
             for (int i = 0; i < MR && m0 + i < m; i++)
                 for (int j = 0; j < NR && n0 + j < n; j++)
                     out[(m0 + i) * out_stride + n0 + j] =

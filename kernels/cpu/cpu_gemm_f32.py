@@ -1,4 +1,5 @@
-"""float32 projections of decode-sized steps on AVX-512 (kernels/cpu/cpu_gemm_f32.c), reading the
+"""float32 projections of decode-sized steps on AVX-512 or AVX2 + FMA (kernels/cpu/cpu_gemm_f32.c,
+one source built for whichever the CPU has), reading the
 plain [out_features, in_features] weight in place: where float32 is the CPU default (no
 AVX512-BF16), MKL's GEMM behind F.linear repacks the weight on every call, which at a few dozen
 rows costs as much as the multiply. Up to 16 rows the kernel sums along K in vectors (dot
@@ -7,6 +8,8 @@ lanes). Larger steps stay on F.linear, near the machine's float32 peak there. Sa
 to float32 summation order."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from kvfleet.kernels.cpu import cpu_library
@@ -20,16 +23,40 @@ from kvfleet.kernels.cpu import cpu_library
 # limits 3 / 64 / 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on 110 of
 # the 117 steps of 65-255 rows (docs/results/bench-gemm-rows-float32-offline.json).
 MIN_ROWS, MAX_ROWS = 4, 128
+# Built for AVX2 it takes single rows too: MKL limited to AVX2 streamed the bundled model's
+# weights at 13 GB/s at one row (41.7 ms a forward), slower than this kernel at four rows
+# (26.2 ms) (`bench latency --dtype float32` with both built for AVX2 on a Zen 4 host).
+AVX2_MIN_ROWS = 1
+
+
+def lanes() -> int:
+    """The vector width the kernel runs at here: 16 (AVX-512), 8 (AVX2 + FMA), 0 (it does not
+    run: no library, or a CPU with neither)."""
+    if not cpu_library.available():
+        return 0
+    return _lanes(cpu_library.library())
+
+
+@functools.cache
+def _lanes(lib: object) -> int:
+    # Keyed by the loaded library: a rebuilt one (tests change its flags) asks again.
+    return int(lib.kvfleet_linear_f32_lanes())
 
 
 def available() -> bool:
-    """Whether the kernel runs here: the C library builds, with AVX-512."""
-    return cpu_library.avx512()
+    """Whether the kernel runs here: the C library builds, with AVX-512 or AVX2 + FMA."""
+    return lanes() > 0
+
+
+def min_rows() -> int:
+    """The fewest rows the kernel takes here (fewer stay on F.linear): MIN_ROWS on AVX-512,
+    AVX2_MIN_ROWS on AVX2."""
+    return AVX2_MIN_ROWS if lanes() == 8 else MIN_ROWS
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear(x, weight, bias)` runs on this kernel: float32 CPU tensors, a contiguous
-    2-D weight, x's last dimension contiguous, MIN_ROWS to MAX_ROWS rows."""
+    2-D weight, x's last dimension contiguous, `min_rows()` to MAX_ROWS rows."""
     if not (
         x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
@@ -41,7 +68,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     ):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return MIN_ROWS <= rows <= MAX_ROWS and available()
+    return rows <= MAX_ROWS and available() and rows >= min_rows()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

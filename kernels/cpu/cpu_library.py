@@ -46,6 +46,9 @@ SOURCES = [HERE / name for name in _SOURCE_NAMES]
 HEADERS = [HERE / name for name in ("cpu_math.h", "cpu_amx.h", "cpu_cache.h", "cpu_entry_points.h")]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# $KVFLEET_CPU_MAX_ISA=avx2 builds the kernels as for a CPU without AVX-512 (AMD before Zen 4,
+# many Intel parts), on a CPU that has it: to measure or test the AVX2 forms there.
+MAX_ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
 
 # cpu_entry_points.h's DTYPE_* codes: the element type of activations and caches across the ABI.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
@@ -90,6 +93,7 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_linear_avx512_bf16": [],
     # x, x_stride, w, bias, out, out_stride, m, n, k, num_threads
     "kvfleet_linear_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    "kvfleet_linear_f32_lanes": [],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
     # table_stride, seq_lens, allow_amx, num_threads (bf16: then the GEMM kernel)
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i, _i],
@@ -108,13 +112,24 @@ def _compiler_version() -> str:
     return out.stdout
 
 
+def build_flags() -> list[str]:
+    """The compiler flags of this build: FLAGS, narrowed by $KVFLEET_CPU_MAX_ISA."""
+    isa = os.environ.get("KVFLEET_CPU_MAX_ISA", "native").strip().lower() or "native"
+    if isa not in MAX_ISA_FLAGS:
+        raise ValueError(
+            f"KVFLEET_CPU_MAX_ISA: must be one of {', '.join(MAX_ISA_FLAGS)}, got {isa!r}"
+        )
+    return [*FLAGS, *MAX_ISA_FLAGS[isa]]
+
+
 def build() -> Path:
     """The compiled library's path, building it unless a cached one matches. Raises
     OSError/subprocess.CalledProcessError with the compiler's output on failure."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    digest.update(_compiler_version().encode() + " ".join(COMPILER + FLAGS).encode())
+    flags = build_flags()
+    digest.update(_compiler_version().encode() + " ".join(COMPILER + flags).encode())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -125,7 +140,7 @@ def build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [*COMPILER, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [*COMPILER, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             check=True,

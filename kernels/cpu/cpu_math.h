@@ -150,6 +150,20 @@ static inline __m512 load16_act(const void *p, int64_t i, int bf16) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+/* reduce16's AVX2 form: the 8 lane sums of v[0..7] as one vector, out[t] = sum of v[t]'s lanes
+ * (hadd pairs within 128-bit lanes twice, then the two halves). Used by the float32 GEMM built
+ * for AVX2 + FMA. */
+static inline __m256 reduce8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* a = [t0 t1 t2 t3 | t0 t1 t2 t3] partial sums of the low and high halves; b for t4..t7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
 /* Whether silu_and_mul_row_as's vector loop runs for a type: bf16 needs AVX512-BF16 for its
  * rounding store, float32 AVX-512 alone. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

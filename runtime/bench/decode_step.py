@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 # bf16: up to cpu_gemm.max_rows() sequences (AMX 1024, AVX512-BF16 fewer); float32:
-# cpu_gemm_f32.MIN_ROWS to MAX_ROWS.
+# cpu_gemm_f32.min_rows() to MAX_ROWS.
 DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "4,8,32,128"}
 
 
@@ -149,7 +149,7 @@ def _row_limits(torch, dtype) -> tuple[int, int]:
 
     if dtype == torch.bfloat16:
         return 1, cpu_gemm.max_rows()
-    return cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
+    return cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
 
 
 def measure(model: str, sequences: list[int], context: int, iters: int, dtype_name: str) -> dict:

@@ -6,18 +6,37 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import cpu_flags, record_rows
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_gemm_f32
+from kvfleet.kernels.cpu import cpu_gemm_f32, cpu_library
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
 def _need_kernel():
     if not cpu_gemm_f32.available():
-        pytest.skip("no AVX-512 here (test_runs_wherever_the_cpu_has_avx512 checks which)")
+        pytest.skip("no AVX-512 or AVX2 here (test_runs_wherever_the_cpu_has_avx512_or_avx2 "
+                    "checks which)")  # fmt: skip
 
 
-def test_runs_wherever_the_cpu_has_avx512():
-    assert cpu_gemm_f32.available() == ("avx512f" in cpu_flags())
+def _width_here() -> int:
+    flags = cpu_flags()
+    return 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= set(flags) else 0
+
+
+def test_runs_wherever_the_cpu_has_avx512_or_avx2():
+    assert cpu_gemm_f32.lanes() == _width_here()
+    assert cpu_gemm_f32.available() == (_width_here() > 0)
+
+
+@pytest.fixture
+def avx2_build(monkeypatch):
+    """The library built as for an AVX2 + FMA CPU without AVX-512 (AMD before Zen 4, say), on a
+    CPU that has AVX-512: the AVX2 form of the kernel, tested where the regular build runs the
+    AVX-512 one. (On an AVX2-only CPU the regular build is this one.)"""
+    if _width_here() != 16:
+        pytest.skip("the regular build here already is the AVX2 one, or neither runs")
+    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
+    cpu_library.library.cache_clear()
+    assert cpu_gemm_f32.lanes() == 8
 
 
 def assert_one_dot_rounding(got, x, w, bias=None):
@@ -43,6 +62,26 @@ def test_matches_the_exact_product(rows, n, k, with_bias):
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     assert_one_dot_rounding(cpu_gemm_f32.linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("rows", [2, 4, 7, 8, 9, 16, 17, 24, 40, 100, cpu_gemm_f32.MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(1, 1), (6, 17), (13, 9), (960, 576)])
+def test_the_avx2_form_matches_the_exact_product(avx2_build, rows, n, k):
+    gen = torch.Generator().manual_seed(rows * n + k + 1)
+    x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), None
+    if rows % 2:
+        bias = torch.randn(n, generator=gen)
+    assert_one_dot_rounding(cpu_gemm_f32.linear(x, w, bias), x, w, bias)
+    wide = torch.randn(rows, k + 11, generator=gen)
+    strided = wide[:, 5 : 5 + k]  # a row stride that is not k
+    assert_one_dot_rounding(cpu_gemm_f32.linear(strided, w), strided, w)
+    assert dispatch.linear_path(w, cpu_gemm_f32.MIN_ROWS) == dispatch.PATH_AVX2
+
+
+def test_an_unknown_max_isa_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx1024")
+    with pytest.raises(ValueError, match="KVFLEET_CPU_MAX_ISA: must be one of native, avx2"):
+        cpu_library.build_flags()
 
 
 def test_reads_strided_and_batched_inputs():

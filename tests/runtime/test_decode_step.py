@@ -35,7 +35,8 @@ def _limit_rows(monkeypatch, engine: str, rows: int) -> None:
 def _need_avx512() -> None:
     if not cpu_gemm_f32.available():
         pytest.skip(
-            "no AVX-512 here (tests/kernels/test_cpu_gemm_f32.py asserts where there must be)"
+            "no AVX-512 or AVX2 here (tests/kernels/test_cpu_gemm_f32.py asserts where there "
+            "must be)"
         )
 
 
@@ -282,15 +283,38 @@ def test_float32_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
     assert calls == [num_seqs] * 3
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3, 37])
+def test_float32_fused_decode_steps_built_for_avx2_match_the_per_op_loop(
+    num_seqs, tiny_llama_dir, monkeypatch
+):
+    """Built as for an AVX2 + FMA CPU (no AVX-512), the float32 GEMM and with it the fused step
+    take single sequences too, and still give the per-op loop's bits."""
+    from kvfleet.kernels.cpu import cpu_library
+    from kvfleet.kernels.cpu.cpu_features import cpu_flags
+
+    if "avx512f" not in cpu_flags() or not {"avx2", "fma"} <= set(cpu_flags()):
+        pytest.skip("needs a CPU with AVX-512 to build the AVX2 form beside the regular one")
+    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
+    cpu_library.library.cache_clear()
+    try:
+        assert cpu_gemm_f32.lanes() == 8 and cpu_gemm_f32.min_rows() == 1
+        lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(7))
+        calls = _match_per_op(_float32(tiny_llama_dir), lengths.tolist(), 3, monkeypatch)
+        assert calls == [num_seqs] * 3
+    finally:
+        cpu_library.library.cache_clear()
+
+
 def test_float32_steps_outside_the_gemm_kernels_rows_keep_the_per_op_loop(
     tiny_llama_dir, monkeypatch
 ):
-    """Below MIN_ROWS and above MAX_ROWS the per-op path multiplies on MKL, so the fused call
+    """Below min_rows() and above MAX_ROWS the per-op path multiplies on MKL, so the fused call
     (whose GEMM is cpu_gemm_f32) stays out to keep the bits the same; prefills too."""
     _need_avx512()
     net = _float32(tiny_llama_dir)
-    lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
-    assert _match_per_op(net, [5] * (lo - 1), 1, monkeypatch) == []
+    lo, hi = cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
+    if lo > 1:
+        assert _match_per_op(net, [5] * (lo - 1), 1, monkeypatch) == []
     assert _match_per_op(net, [5] * (hi + 1), 1, monkeypatch) == []
 
 
