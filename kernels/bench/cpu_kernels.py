@@ -478,10 +478,11 @@ def float32_elementwise_row(torch, rows: int, iters: int) -> Float32Row:
 
 
 def float32_rows(torch, iters: int) -> dict:
-    """The float32 sections, or empty ones where the build has no AVX-512 (no kernel to time)."""
-    from kvfleet.kernels.cpu import cpu_library
+    """The float32 sections, or empty ones where the build has neither AVX-512 nor AVX2 + FMA
+    (no kernel to time)."""
+    from kvfleet.kernels.cpu import cpu_gemm_f32
 
-    if not cpu_library.avx512():
+    if not cpu_gemm_f32.available():
         return {"prefill": [], "projections": [], "elementwise": []}
     weights = step_weights(torch, GEMM_LAYERS, torch.float32)
     return {

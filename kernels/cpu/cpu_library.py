@@ -68,7 +68,8 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_prefill_attention_amx": [],
     # the same arguments, float32 throughout; then bf16 on AVX-512 (no AMX), float32 inside
     "kvfleet_prefill_attention_f32": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
-    "kvfleet_prefill_attention_bf16_avx512": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
+    "kvfleet_prefill_attention_bf16_vec": [_p, _i64, _p, _i64, _p, _p, _p, _i, _i, _i, _i, _i, _i, _i64, _f, _i],
+    "kvfleet_prefill_f32_lanes": [],
     # key, key_stride, value, value_stride, k_cache, v_cache, slots, tokens, kv_heads,
     # head_dim, block_size, num_blocks, elem_size
     "kvfleet_reshape_and_cache": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i, _i, _i, _i64, _i],

@@ -162,6 +162,28 @@ static inline __m256 reduce8(const __m256 v[8]) {
     /* a = [t0 t1 t2 t3 | t0 t1 t2 t3] partial sums of the low and high halves; b for t4..t7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+
+/* exp16's AVX2 form, for 8 lanes of x <= 0 (or -inf): the same reduction and polynomial, with
+ * 2^n built in the exponent bits (n >= -126 once x is clamped at -87, so 2^n is normal). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 underflow = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, underflow, _CMP_LT_OQ);
+    const __m256 xc = _mm256_max_ps(x, underflow);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
 #endif
 
 /* Whether silu_and_mul_row_as's vector loop runs for a type: bf16 needs AVX512-BF16 for its

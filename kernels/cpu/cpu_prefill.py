@@ -1,8 +1,9 @@
 """The CPU prefill-attention kernels: one sequence's prompt tokens (a chunk, or a suffix after a
 prefix-cache hit) against its paged K/V. bf16 runs on AMX tiles (kernels/cpu/cpu_prefill.c, 1.7-2.6x
 the speed of torch's SDPA flash kernel with head_dim 64, `kvfleet bench cpu-kernels`), or where
-the CPU has AVX-512 but no AMX on the float32 AVX-512 kernel, widening bf16 as it reads
-(kernels/cpu/cpu_prefill_f32.c); float32 on that kernel too. Where the CPU or build lacks what a
+the CPU has no AMX on the float32-arithmetic kernel, which reads bf16 as it is (AVX512-BF16
+products) or widened (kernels/cpu/cpu_prefill_f32.c); float32 on that kernel too. That kernel is
+built for AVX-512, or AVX2 + FMA on CPUs without it. Where the CPU or build lacks what a
 dtype's kernel needs (`available`), or the inputs do not fit (`supports`), callers keep the
 reference's SDPA."""
 
@@ -16,10 +17,27 @@ from kvfleet.kernels.cpu import cpu_library
 
 _MAX_HEAD_DIM = 256
 # The kernels bf16 prefill may run on (`bf16_kernel`).
-KERNEL_AMX, KERNEL_AVX512 = "AMX", "AVX-512"
+KERNEL_AMX, KERNEL_AVX512, KERNEL_AVX2 = "AMX", "AVX-512", "AVX2"
 # Tests switch AMX off to run the AVX-512 kernel on an AMX host too.
 ALLOW_AMX = True
+# Built for AVX2 (8 lanes, 16 registers) the kernel beats torch's SDPA only on shorter contexts:
+# one layer of the bundled model at 512 / 1024 / 2048 tokens took 2.5 / 14.6 / 46.7 ms against
+# SDPA's 5.0 / 17.4 / 42.4 (both held to AVX2 on a Zen 4 host). Longer contexts keep SDPA.
+AVX2_MAX_CONTEXT = 1024
 _ERRORS = {1: "unsupported shape", 2: "out of memory", 3: "no AMX or AVX-512 on this CPU or build"}
+
+
+@functools.cache
+def _vector_lanes(lib: object) -> int:
+    # The float32-arithmetic kernel's width: 16 (AVX-512), 8 (AVX2 + FMA), 0 (neither).
+    return int(lib.kvfleet_prefill_f32_lanes())
+
+
+def _vectors() -> str | None:
+    """Which instruction set the float32-arithmetic kernel was built for, None where none."""
+    if not cpu_library.available():
+        return None
+    return {16: KERNEL_AVX512, 8: KERNEL_AVX2}.get(_vector_lanes(cpu_library.library()))
 
 
 @functools.cache
@@ -30,29 +48,31 @@ def _amx(lib: object) -> bool:
 
 def bf16_kernel() -> str | None:
     """Which kernel bf16 prefills run on here: KERNEL_AMX where the CPU grants AMX tiles, else
-    KERNEL_AVX512 where the build has AVX-512, else None (SDPA)."""
+    the float32-arithmetic kernel's KERNEL_AVX512 or KERNEL_AVX2, else None (SDPA)."""
     if not cpu_library.available():
         return None
     if ALLOW_AMX and _amx(cpu_library.library()):
         return KERNEL_AMX
-    return KERNEL_AVX512 if cpu_library.avx512() else None
+    return _vectors()
+
+
+def _on_amx(query: torch.Tensor) -> bool:
+    return query.dtype == torch.bfloat16 and bf16_kernel() == KERNEL_AMX
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `dtype`'s kernel can run here: the C library builds, and the CPU grants AMX tiles
-    or the build has AVX-512 (bf16), or the build has AVX-512 (float32)."""
-    if not cpu_library.available():
-        return False
+    (bf16) or the build has AVX-512 or AVX2 + FMA (either dtype)."""
     if dtype == torch.float32:
-        return cpu_library.avx512()
+        return _vectors() is not None
     return dtype == torch.bfloat16 and bf16_kernel() is not None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """CPU tensors of one dtype, bf16 or float32; head-major caches; whole GQA groups; each
     token's heads packed. bf16 on AMX: head_dim a multiple of 32 up to 256, blocks a multiple of
-    16 tokens; on AVX-512 (float32, or bf16 without AMX): head_dim a multiple of 16 up to 256,
-    any block size."""
+    16 tokens; on AVX-512 or AVX2 (float32, or bf16 without AMX): head_dim a multiple of 16 up
+    to 256, any block size."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     bf16 = query.dtype == torch.bfloat16 and bf16_kernel() == KERNEL_AMX
@@ -84,6 +104,12 @@ def prefill_attention(
     """`reference.prefill_attention` (causal, the query being the last q of `seq_len`
     positions) written into `out` ([q, heads, D], heads packed per token) when given. Callers
     check `available(query.dtype)` and `supports()` first."""
+    if _vectors() == KERNEL_AVX2 and seq_len > AVX2_MAX_CONTEXT and not _on_amx(query):
+        result = reference.prefill_attention(query, k_cache, v_cache, block_table, seq_len, scale)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
     q_len, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     target = out
@@ -98,7 +124,7 @@ def prefill_attention(
     elif bf16_kernel() == KERNEL_AMX:
         kernel = lib.kvfleet_prefill_attention_bf16
     else:
-        kernel = lib.kvfleet_prefill_attention_bf16_avx512
+        kernel = lib.kvfleet_prefill_attention_bf16_vec
     status = kernel(
         query.data_ptr(),
         query.stride(0),

@@ -1,4 +1,4 @@
-/* Causal prefill attention in float32 arithmetic on AVX-512 for kvfleet's CPU path: one
+/* Causal prefill attention in float32 arithmetic on AVX-512 or AVX2 + FMA for kvfleet's CPU path: one
  * sequence's query tokens (the last q_len of its seq_len positions) against its K/V read in place
  * from the paged cache, float32 or bf16.
  *
@@ -17,7 +17,7 @@
  * Everything stays float32. Results differ from SDPA's by summation order and exp's
  * approximation (within 2 ulp).
  *
- * bf16 inputs (kvfleet_prefill_attention_bf16_avx512): where the CPU has AVX-512 but no AMX, the
+ * bf16 inputs (kvfleet_prefill_attention_bf16_vec): where the CPU has AVX-512 but no AMX, the
  * AMX kernel cannot run and torch's SDPA flash kernel took 4.4 ms a layer for a 512-token prompt
  * of the bundled model (a third of that prompt's TTFT on a 2-core AVX512-BF16 host). The same
  * tiles and online softmax take bf16, the output rounded to bf16 (nearest even) as written:
@@ -35,8 +35,9 @@
  * sequence. head_dim a multiple of 16 up to MAX_HEAD_DIM, any block size. Query head h reads
  * kv head h / (num_heads / num_kv_heads).
  *
- * Built with the other CPU kernels by kernels/cpu/cpu_library.py. Without AVX-512 the entry point
- * answers ERR_NO_AVX512 and the caller keeps SDPA.
+ * Built with the other CPU kernels by kernels/cpu/cpu_library.py, for AVX-512 or, on CPUs
+ * without it, AVX2 + FMA (kvfleet_prefill_f32_lanes says which); with neither the entry points
+ * answer ERR_NO_SIMD and the caller keeps SDPA.
  */
 
 #include <math.h>
@@ -46,17 +47,71 @@
 
 #include "cpu_math.h"
 
-enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AVX512 = 3 };
+enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3 };
 
-#define LANES 16
-#define VECS 2              /* row vectors per tile */
-#define TILE (LANES * VECS) /* rows per task */
 #define KEYS 32             /* keys per softmax update */
-#define KEY_GROUP 8         /* keys whose scores are accumulated in registers together */
-#define D_CHUNK 8           /* O^T dims held in registers per pass over a step's keys */
 #define MAX_HEAD_DIM 256
 
-#ifdef __AVX512F__
+/* One source for AVX-512 and AVX2 + FMA (float32 on CPUs without AVX-512): the vector width
+ * and the operations below are macros; the register-held blocks shrink with the register file
+ * (16 vector registers on AVX2 against 32). */
+#if defined(__AVX512F__)
+#define PREFILL_SIMD 1
+#define LANES 16
+#define VECS 2      /* row vectors per tile */
+#define KEY_GROUP 8 /* keys whose scores are accumulated in registers together */
+#define D_CHUNK 8   /* O^T dims held in registers per pass over a step's keys */
+typedef __m512 vec;
+typedef __m512i veci;
+#define vzero() _mm512_setzero_ps()
+#define vset1(x) _mm512_set1_ps(x)
+#define vload(p) _mm512_load_ps(p)
+#define vstore(p, v) _mm512_store_ps(p, v)
+#define vstoreu(p, v) _mm512_storeu_ps(p, v)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vdiv(a, b) _mm512_div_ps(a, b)
+#define vexp(x) exp16(x)
+#define vloadi(p) _mm512_loadu_si512(p)
+/* s with -inf in the lanes whose position is before `key` (a key past the row's own). */
+static inline vec mask_past(vec s, int key, veci pos) {
+    return _mm512_mask_mov_ps(s, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(key), pos),
+                              _mm512_set1_ps(-INFINITY));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFILL_SIMD 1
+#define LANES 8
+#define VECS 1 /* 16 registers: one row vector, 8 keys or dims (AVX2 measured 2.5 vs 3.7 ms at 2x4) */
+#define KEY_GROUP 8
+#define D_CHUNK 8
+typedef __m256 vec;
+typedef __m256i veci;
+#define vzero() _mm256_setzero_ps()
+#define vset1(x) _mm256_set1_ps(x)
+#define vload(p) _mm256_load_ps(p)
+#define vstore(p, v) _mm256_store_ps(p, v)
+#define vstoreu(p, v) _mm256_storeu_ps(p, v)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vdiv(a, b) _mm256_div_ps(a, b)
+#define vexp(x) exp8(x)
+#define vloadi(p) _mm256_loadu_si256((const __m256i *)(p))
+static inline vec mask_past(vec s, int key, veci pos) {
+    const __m256 past = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(key), pos));
+    return _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), past);
+}
+#else
+#define PREFILL_SIMD 0
+#endif
+#define TILE (LANES * VECS) /* rows per task */
+
+#if PREFILL_SIMD
 /* Per-thread working memory (66 KiB with MAX_HEAD_DIM 256: heap, not a worker's stack). */
 typedef struct {
     float qt[MAX_HEAD_DIM][TILE]; /* Q^T of the tile, times scale (0 in padding rows) */
@@ -70,27 +125,34 @@ typedef struct {
 
 /* dst[0 .. D) = the bf16 row src widened to float32 (D a multiple of 16). */
 static inline void widen_row(float *dst, const uint16_t *src, int D) {
-    for (int d = 0; d < D; d += LANES) {
+    for (int d = 0; d < D; d += 16) {
+#ifdef __AVX512F__
         const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
         _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+#else
+        for (int h = 0; h < 16; h += 8) {
+            const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d + h)));
+            _mm256_storeu_ps(dst + d + h, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+        }
+#endif
     }
 }
 
 /* p[j][:] = K[j] . Q^T for KEY_GROUP keys (rows krow[j] of head_dim floats). */
 static inline void scores(float (*p)[TILE], const float *const *krow, const Work *w, int D) {
-    __m512 acc[KEY_GROUP][VECS];
+    vec acc[KEY_GROUP][VECS];
     for (int j = 0; j < KEY_GROUP; j++)
-        for (int v = 0; v < VECS; v++) acc[j][v] = _mm512_setzero_ps();
+        for (int v = 0; v < VECS; v++) acc[j][v] = vzero();
     for (int d = 0; d < D; d++) {
-        __m512 q[VECS];
-        for (int v = 0; v < VECS; v++) q[v] = _mm512_load_ps(&w->qt[d][v * LANES]);
+        vec q[VECS];
+        for (int v = 0; v < VECS; v++) q[v] = vload(&w->qt[d][v * LANES]);
         for (int j = 0; j < KEY_GROUP; j++) {
-            const __m512 k = _mm512_set1_ps(krow[j][d]);
-            for (int v = 0; v < VECS; v++) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+            const vec k = vset1(krow[j][d]);
+            for (int v = 0; v < VECS; v++) acc[j][v] = vfma(k, q[v], acc[j][v]);
         }
     }
     for (int j = 0; j < KEY_GROUP; j++)
-        for (int v = 0; v < VECS; v++) _mm512_store_ps(&p[j][v * LANES], acc[j][v]);
+        for (int v = 0; v < VECS; v++) vstore(&p[j][v * LANES], acc[j][v]);
 }
 
 #ifdef __AVX512BF16__
@@ -178,23 +240,22 @@ static void values_as_pairs(uint32_t *vt, const uint16_t *v_head, const int32_t 
 #endif
 
 /* O^T[d] = O^T[d] * corr + sum_j V[j][d] * P^T[j] for the n keys of a step (rows vrow[j]). */
-static inline void accumulate(Work *w, const float *const *vrow, int n, const __m512 *corr,
+static inline void accumulate(Work *w, const float *const *vrow, int n, const vec *corr,
                               int D) {
     for (int d0 = 0; d0 < D; d0 += D_CHUNK) {
-        __m512 o[D_CHUNK][VECS];
+        vec o[D_CHUNK][VECS];
         for (int c = 0; c < D_CHUNK; c++)
-            for (int v = 0; v < VECS; v++)
-                o[c][v] = _mm512_mul_ps(_mm512_load_ps(&w->ot[d0 + c][v * LANES]), corr[v]);
+            for (int v = 0; v < VECS; v++) o[c][v] = vmul(vload(&w->ot[d0 + c][v * LANES]), corr[v]);
         for (int j = 0; j < n; j++) {
-            __m512 p[VECS];
-            for (int v = 0; v < VECS; v++) p[v] = _mm512_load_ps(&w->p[j][v * LANES]);
+            vec p[VECS];
+            for (int v = 0; v < VECS; v++) p[v] = vload(&w->p[j][v * LANES]);
             for (int c = 0; c < D_CHUNK; c++) {
-                const __m512 x = _mm512_set1_ps(vrow[j][d0 + c]);
-                for (int v = 0; v < VECS; v++) o[c][v] = _mm512_fmadd_ps(x, p[v], o[c][v]);
+                const vec x = vset1(vrow[j][d0 + c]);
+                for (int v = 0; v < VECS; v++) o[c][v] = vfma(x, p[v], o[c][v]);
             }
         }
         for (int c = 0; c < D_CHUNK; c++)
-            for (int v = 0; v < VECS; v++) _mm512_store_ps(&w->ot[d0 + c][v * LANES], o[c][v]);
+            for (int v = 0; v < VECS; v++) vstore(&w->ot[d0 + c][v * LANES], o[c][v]);
     }
 }
 
@@ -223,12 +284,12 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
         }
     }
     memset(w->ot, 0, sizeof(float) * (size_t)D * TILE);
-    __m512i posv[VECS];
-    __m512 m[VECS], l[VECS];
+    veci posv[VECS];
+    vec m[VECS], l[VECS];
     for (int v = 0; v < VECS; v++) {
-        posv[v] = _mm512_loadu_si512(pos + v * LANES);
-        m[v] = _mm512_set1_ps(-INFINITY);
-        l[v] = _mm512_setzero_ps();
+        posv[v] = vloadi(pos + v * LANES);
+        m[v] = vset1(-INFINITY);
+        l[v] = vzero();
     }
     const int last_key = pos[TILE - 1]; /* the tile's last row sees keys 0 .. last_key */
     const int diagonal = pos[0];        /* keys up to here are visible to every row */
@@ -268,34 +329,30 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
 #endif
             for (int j = 0; j < scored; j += KEY_GROUP) scores(w->p + j, krow + j, w, D);
 
-        __m512 step_max[VECS];
-        for (int v = 0; v < VECS; v++) step_max[v] = _mm512_set1_ps(-INFINITY);
+        vec step_max[VECS];
+        for (int v = 0; v < VECS; v++) step_max[v] = vset1(-INFINITY);
         const int masked = k0 + scored - 1 > diagonal;
         for (int j = 0; j < scored; j++)
             for (int v = 0; v < VECS; v++) {
-                __m512 s = _mm512_load_ps(&w->p[j][v * LANES]);
-                if (masked) {
-                    const __mmask16 past =
-                        _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(k0 + j), posv[v]);
-                    s = _mm512_mask_mov_ps(s, past, _mm512_set1_ps(-INFINITY));
-                }
-                _mm512_store_ps(&w->p[j][v * LANES], s);
-                step_max[v] = _mm512_max_ps(step_max[v], s);
+                vec s = vload(&w->p[j][v * LANES]);
+                if (masked) s = mask_past(s, k0 + j, posv[v]);
+                vstore(&w->p[j][v * LANES], s);
+                step_max[v] = vmax(step_max[v], s);
             }
         /* Online softmax. Key 0 is visible to every row, so m is finite from the first step on
          * and corr = exp(-inf) = 0 there, against an all-zero O^T. */
-        __m512 corr[VECS];
+        vec corr[VECS];
         for (int v = 0; v < VECS; v++) {
-            const __m512 m_new = _mm512_max_ps(m[v], step_max[v]);
-            corr[v] = exp16(_mm512_sub_ps(m[v], m_new));
-            l[v] = _mm512_mul_ps(l[v], corr[v]);
+            const vec m_new = vmax(m[v], step_max[v]);
+            corr[v] = vexp(vsub(m[v], m_new));
+            l[v] = vmul(l[v], corr[v]);
             m[v] = m_new;
         }
         for (int j = 0; j < n; j++)
             for (int v = 0; v < VECS; v++) {
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(&w->p[j][v * LANES]), m[v]));
-                _mm512_store_ps(&w->p[j][v * LANES], e);
-                l[v] = _mm512_add_ps(l[v], e);
+                const vec e = vexp(vsub(vload(&w->p[j][v * LANES]), m[v]));
+                vstore(&w->p[j][v * LANES], e);
+                l[v] = vadd(l[v], e);
             }
 #if !BF16_DOT
         (void)vt, (void)kraw;
@@ -309,8 +366,7 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
     }
 
     float inv[TILE];
-    for (int v = 0; v < VECS; v++)
-        _mm512_storeu_ps(inv + v * LANES, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
+    for (int v = 0; v < VECS; v++) vstoreu(inv + v * LANES, vdiv(vset1(1.0f), l[v]));
     for (int r = 0; r < rows; r++) {
         const int row = r0 + r;
         const int64_t o = (int64_t)(row / group) * out_stride + (int64_t)(kvh * group + row % group) * D;
@@ -319,20 +375,29 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
 }
 #endif
 
+/* The vector width this build's kernel runs at: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (none). */
+int kvfleet_prefill_f32_lanes(void) {
+#if PREFILL_SIMD
+    return LANES;
+#else
+    return 0;
+#endif
+}
+
 /* Both entry points (layouts in the header comment; bf16 names the element type of query, out
  * and the caches). */
 static int prefill(const void *query, int64_t q_stride, void *out, int64_t out_stride,
                    const void *k_cache, const void *v_cache, const int32_t *block_table,
                    int seq_len, int q_len, int num_heads, int num_kv_heads, int head_dim,
                    int block_size, int64_t num_blocks, float scale, int num_threads, int bf16) {
-#ifndef __AVX512F__
+#if !PREFILL_SIMD
     (void)query, (void)q_stride, (void)out, (void)out_stride, (void)k_cache, (void)v_cache;
     (void)block_table, (void)seq_len, (void)q_len, (void)num_heads, (void)num_kv_heads;
     (void)head_dim, (void)block_size, (void)num_blocks, (void)scale, (void)num_threads;
     (void)bf16;
-    return ERR_NO_AVX512;
+    return ERR_NO_SIMD;
 #else
-    if (head_dim <= 0 || head_dim % LANES != 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 ||
+    if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 ||
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || q_len <= 0 || q_len > seq_len)
         return ERR_SHAPE;
     const int group = num_heads / num_kv_heads;
@@ -396,7 +461,7 @@ int kvfleet_prefill_attention_f32(const float *query, int64_t q_stride, float *o
                    num_threads, 0);
 }
 
-int kvfleet_prefill_attention_bf16_avx512(const uint16_t *query, int64_t q_stride, uint16_t *out,
+int kvfleet_prefill_attention_bf16_vec(const uint16_t *query, int64_t q_stride, uint16_t *out,
                                           int64_t out_stride, const uint16_t *k_cache,
                                           const uint16_t *v_cache, const int32_t *block_table,
                                           int seq_len, int q_len, int num_heads,

@@ -44,16 +44,51 @@ def _use(kernel: str, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
 
 
 def test_kernels_where_the_cpu_has_them():
-    """bf16 runs on AMX wherever the CPU has AMX-BF16, else on AVX-512 wherever it has that; the
-    float32 kernel wherever it has AVX-512: a build or permission failure there is a bug, so the
-    numeric tests below cannot skip silently on such a machine."""
-    avx512 = "avx512f" in cpu_flags()
-    want = (
-        cpu_prefill.KERNEL_AMX if cpu_has_amx() else cpu_prefill.KERNEL_AVX512 if avx512 else None
+    """bf16 runs on AMX wherever the CPU has AMX-BF16, else on the float32-arithmetic kernel
+    built for AVX-512 or AVX2 + FMA; float32 on the latter wherever the CPU has either: a
+    build or permission failure there is a bug, so the numeric tests below cannot skip silently
+    on such a machine."""
+    flags = cpu_flags()
+    vectors = (
+        cpu_prefill.KERNEL_AVX512
+        if "avx512f" in flags
+        else cpu_prefill.KERNEL_AVX2
+        if {"avx2", "fma"} <= flags
+        else None
     )
+    want = cpu_prefill.KERNEL_AMX if cpu_has_amx() else vectors
     assert cpu_prefill.bf16_kernel() == want
     assert cpu_prefill.available() == (want is not None)
-    assert cpu_prefill.available(F32) == avx512
+    assert cpu_prefill.available(F32) == (vectors is not None)
+
+
+def test_the_avx2_build_matches_dense_softmax(monkeypatch):
+    """Built as for an AVX2 + FMA CPU (KVFLEET_CPU_MAX_ISA=avx2): 8-lane vectors, smaller
+    register blocks, the AVX2 exp; float32 and widened bf16, against a float64 softmax."""
+    if "avx512f" not in cpu_flags() or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs a CPU with AVX-512 to build the AVX2 form beside the regular one")
+    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
+    monkeypatch.setattr(cpu_prefill, "ALLOW_AMX", False)
+    cpu_library.library.cache_clear()
+    assert cpu_prefill.bf16_kernel() == cpu_prefill.KERNEL_AVX2
+    for dtype in (F32, BF16):
+        for q_len, seq_len, kv_heads, ratio, head_dim, block_size in CASES + F32_CASES[:2]:
+            query, k, v, table = _case(
+                q_len + 3, q_len, seq_len, kv_heads, ratio, head_dim, block_size, dtype=dtype
+            )
+            scale = head_dim**-0.5
+            got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+            kc, vc = contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len)
+            torch.testing.assert_close(
+                got.double(), dense_attention(query, kc, vc, scale), **CLOSE[dtype]
+            )
+    # Past AVX2_MAX_CONTEXT the AVX2 build hands the sequence to SDPA, which is faster there.
+    monkeypatch.setattr(cpu_prefill, "AVX2_MAX_CONTEXT", 50)
+    query, k, v, table = _case(1, 20, 60, 2, 3, 64, 16)
+    calls = record_rows(monkeypatch, reference, "prefill_attention")
+    got = cpu_prefill.prefill_attention(query, k, v, table, 60, 0.125)
+    assert calls == [20]
+    torch.testing.assert_close(got, reference.prefill_attention(query, k, v, table, 60, 0.125))
 
 
 def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0, dtype=BF16):

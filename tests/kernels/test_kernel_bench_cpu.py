@@ -12,7 +12,6 @@ from kvfleet.kernels.cpu import (
     cpu_elementwise,
     cpu_gemm,
     cpu_gemm_f32,
-    cpu_library,
     cpu_linear,
     cpu_prefill,
 )
@@ -80,9 +79,9 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     ]
     # Projections are compared only where bf16 weights are packed (native bf16).
     assert [r["rows"] for r in report["projections"]] == ([4] if cpu_linear.available() else [])
-    # float32 kernels are timed wherever the build has AVX-512 (their precondition).
+    # float32 kernels are timed wherever the build has AVX-512 or AVX2 (their precondition).
     f32 = report["float32"]
-    if cpu_library.avx512():
+    if cpu_gemm_f32.available():
         assert [r["shape"] for r in f32["prefill"]] == ["q=20 ctx=50"]
         assert [r["shape"] for r in f32["projections"]] == ["rows=1", "rows=7"]
         assert [r["shape"] for r in f32["elementwise"]] == ["rows=5"]
@@ -107,8 +106,8 @@ def _eps_wrong(real):
     [(cpu_gemm_f32, "linear", _first_column_wrong), (cpu_elementwise, "rms_norm", _eps_wrong)],
 )
 def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module, name, break_it):
-    if not cpu_library.avx512():
-        pytest.skip("no AVX-512: the float32 kernels are not timed on this CPU")
+    if not cpu_gemm_f32.available():
+        pytest.skip("no AVX-512 or AVX2: the float32 kernels are not timed on this CPU")
     monkeypatch.setattr(module, name, break_it(getattr(module, name)))
     for shapes in ("F32_PREFILL_SHAPES", "PREFILL_SHAPES"):
         monkeypatch.setattr(cpu_kernels, shapes, ())
