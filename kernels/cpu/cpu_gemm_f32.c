@@ -179,15 +179,19 @@ static inline vec tile(const float *const *xr, const float *const *wr, int64_t k
             }                                                                                  \
         }                                                                                      \
     }
-#if LANES == 16
 ROWS_IN_LANES_PANEL(1, 12)
+#if LANES == 16
 ROWS_IN_LANES_PANEL(2, 12)
 ROWS_IN_LANES_PANEL(3, 8)
 ROWS_IN_LANES_PANEL(4, 6)
+/* More than 4 row vectors: passes of two over each panel, an odd last one alone. */
+#define PAIR_PANEL panel_2x12
+#define TAIL_PANEL panel_1x12
 #else
-ROWS_IN_LANES_PANEL(1, 12)
 ROWS_IN_LANES_PANEL(1, 6)
 ROWS_IN_LANES_PANEL(2, 6)
+#define PAIR_PANEL panel_2x6
+#define TAIL_PANEL panel_1x6 /* an odd last vector over the same 6 columns */
 #endif
 
 /* Column p of x as row p of xT: m values x_stride apart gathered LANES rows at a time, rows
@@ -228,24 +232,14 @@ static int rows_in_lanes(const float *x, int64_t x_stride, const float *w, const
         for (int64_t pi = 0; pi < panels; pi++) {
             const int64_t n0 = pi * pr;
 #if LANES == 16
-            if (mv == 3) panel_3x8(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
-            else if (mv == 4) panel_4x6(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
-            else {
-                int64_t v0 = 0;
-                for (; v0 + 2 <= mv; v0 += 2)
-                    panel_2x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
-                if (v0 < mv) panel_1x12(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
-            }
+            if (mv == 3) { panel_3x8(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m); continue; }
+            if (mv == 4) { panel_4x6(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m); continue; }
 #else
-            if (mv == 1) panel_1x12(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m);
-            else {
-                int64_t v0 = 0;
-                for (; v0 + 2 <= mv; v0 += 2)
-                    panel_2x6(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
-                /* an odd last vector over the same 6 columns */
-                if (v0 < mv) panel_1x6(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
-            }
+            if (mv == 1) { panel_1x12(xT, mp, 0, w, n0, n, k, bias, out, out_stride, m); continue; }
 #endif
+            int64_t v0 = 0;
+            for (; v0 + 2 <= mv; v0 += 2) PAIR_PANEL(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
+            if (v0 < mv) TAIL_PANEL(xT, mp, v0, w, n0, n, k, bias, out, out_stride, m);
         }
     }
     free(xT);

@@ -66,24 +66,37 @@ static inline void add_rms_norm_row(const uint16_t *x, float *r, int has_residua
     add_rms_norm_row_as(x, r, has_residual, weight, o, hidden, eps, 1);
 }
 
+/* The constants of Cephes' expf, shared by the scalar exp_nonpositive and its vector forms
+ * exp16 (AVX-512) and exp8 (AVX2): ln2 split in a high part exact in float and a low part. */
+#define EXP_UNDERFLOW -87.0f /* below this expf is subnormal or 0: return 0 */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 /* exp(x) for x <= 0 (attention scores minus their running max), within 2 ulp of expf. libm's
  * expf is a call per element (a third of the attention kernel's time at head_dim 64); this is
  * plain float and integer arithmetic, so a loop over it vectorises. Cephes' method:
  * x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n built in the exponent
  * bits. */
 static inline float exp_nonpositive(float x) {
-    const float underflow = -87.0f; /* below this expf is subnormal or 0: return 0 */
+    const float underflow = EXP_UNDERFLOW;
     const float xc = x < underflow ? underflow : x;
     /* Round x / ln2 to the nearest integer by adding and subtracting 1.5 * 2^23. */
-    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    const float n = (xc * EXP_LOG2E + 12582912.0f) - 12582912.0f;
+    float r = xc - n * EXP_LN2_HI;
+    r = r - n * EXP_LN2_LO;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     p = p * r * r + r + 1.0f;
     const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
@@ -97,19 +110,19 @@ static inline float exp_nonpositive(float x) {
 /* exp(x) for 16 lanes of x <= 0 (or -inf): exp_nonpositive's method, with the rounding and
  * the 2^n scaling done by roundscale and scalef. */
 static inline __m512 exp16(__m512 x) {
-    const __m512 underflow = _mm512_set1_ps(-87.0f);
+    const __m512 underflow = _mm512_set1_ps(EXP_UNDERFLOW);
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, underflow, _CMP_LT_OQ);
     const __m512 xc = _mm512_max_ps(x, underflow);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
 }
@@ -166,19 +179,19 @@ static inline __m256 reduce8(const __m256 v[8]) {
 /* exp16's AVX2 form, for 8 lanes of x <= 0 (or -inf): the same reduction and polynomial, with
  * 2^n built in the exponent bits (n >= -126 once x is clamped at -87, so 2^n is normal). */
 static inline __m256 exp8(__m256 x) {
-    const __m256 underflow = _mm256_set1_ps(-87.0f);
+    const __m256 underflow = _mm256_set1_ps(EXP_UNDERFLOW);
     const __m256 tiny = _mm256_cmp_ps(x, underflow, _CMP_LT_OQ);
     const __m256 xc = _mm256_max_ps(x, underflow);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i bits =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
