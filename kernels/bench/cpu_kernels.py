@@ -383,7 +383,8 @@ def _layer_ops_ms(torch, rows: int, layers_packed, iters: int) -> tuple[float, f
 
 
 def float32_prefill_row(torch, q_len: int, ctx: int, iters: int) -> Float32Row:
-    """One prefill shape in float32: the AVX-512 kernel against the reference's SDPA."""
+    """One prefill shape in float32: cpu_prefill_f32 (AVX-512 or AVX2, as built) against the
+    reference's SDPA."""
     from kvfleet.kernels import reference
     from kvfleet.kernels.cpu import cpu_prefill
 
@@ -594,7 +595,7 @@ def print_report(report: dict) -> None:
             )
     f32 = report["float32"]
     titles = {
-        "prefill": "float32 prefill attention, ms per layer: SDPA vs the AVX-512 kernel",
+        "prefill": "float32 prefill attention, ms per layer: SDPA vs cpu_prefill_f32 (AVX-512 or AVX2)",
         "projections": "float32 projections per step (30 layers + LM head), ms: F.linear (MKL) "
         "vs cpu_gemm_f32",
         "elementwise": "float32 RMSNorm + rotary/cache + SiLU-and-mul, one layer, ms: torch vs C",

@@ -24,8 +24,8 @@
  *   with AVX512-BF16, both products run on vdpbf16ps, two bf16 products summed in float32 per
  *   lane: S^T from the query as (d, d+1) pairs against the key's pair read in place from the
  *   cache; O^T from the probabilities rounded to bf16 as (key, key+1) pairs against V, which
- *   is rearranged into key pairs once per call for all tiles (values_as_pairs). 1.23 ms a
- *   layer there, 3.6x SDPA.
+ *   is rearranged into key pairs once per call for all tiles (values_as_pairs). 1.32 ms a
+ *   layer there for a 512-token prompt, 3.4x SDPA (`kvfleet bench cpu-kernels`).
  *   without it, each step's K and V rows are widened to float32 (exact) into the task's
  *   working memory and the float32 loops run.
  *
