@@ -25,6 +25,8 @@ BF16_BYTES = 2
 # Rotate through enough input sets that each timed call reads from HBM, not from L2 (50 MB).
 ROTATE_MIN_BYTES = 256 * 2**20
 MAX_ROTATIONS = 4
+# GPU clock cycles (~0.5 ms on an H100/H200) that cover the host launching one timed call.
+LAUNCH_COVER_CYCLES = 1_000_000
 
 
 @dataclass(slots=True)
@@ -120,13 +122,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _median_us(torch, calls: list[Callable[[], object]], warmup: int, iters: int) -> float:
-    """Median CUDA-event time of one call, cycling through `calls` (one per input set)."""
+    """Median CUDA-event time of one call, cycling through `calls` (one per input set).
+
+    Each call is queued behind a short GPU sleep, so that the time between the events is the
+    GPU's work alone and not the host's launch latency: the engine replays decode from CUDA
+    graphs, where no launch is paid per kernel. Without it, the host's speed (which differs
+    from one lent machine to the next) set a floor of 80-130 µs under every small shape."""
     for i in range(warmup):
         calls[i % len(calls)]()
     torch.cuda.synchronize()
     times = []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
         start.record()
         calls[i % len(calls)]()
         end.record()
