@@ -49,3 +49,29 @@ def triton_backend():
         yield
     finally:
         dispatch.set_backend(previous)
+
+
+@pytest.fixture
+def avx2_build(monkeypatch):
+    """The library built as for an AVX2 + FMA CPU without AVX-512 (AMD before Zen 4, say), on a
+    CPU that has AVX-512: the AVX2 forms of the kernels, tested where the regular build runs the
+    AVX-512 ones. (On an AVX2-only CPU the regular build is this one.)"""
+    from kernel_cases import cpu_flags
+
+    flags = cpu_flags()
+    if "avx512f" not in flags or not {"avx2", "fma"} <= flags:
+        pytest.skip("the regular build here already is the AVX2 one, or neither runs")
+    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
+    cpu_library.library.cache_clear()
+    assert cpu_library.available() and not cpu_library.avx512()
+    yield
+    cpu_library.library.cache_clear()
+
+
+@pytest.fixture(params=["native", "avx2"])
+def either_build(request):
+    """Each build in turn: the regular one, then the AVX2 + FMA one (skipped unless the CPU has
+    AVX-512, where the regular build is another)."""
+    if request.param == "avx2":
+        request.getfixturevalue("avx2_build")
+    return request.param

@@ -27,7 +27,7 @@ def few_ulp_of(t: torch.Tensor) -> dict:
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (2048, 576), (33, 128)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_reference(dtype, rows, hidden, with_residual):
+def test_rms_norm_matches_reference(either_build, dtype, rows, hidden, with_residual):
     gen = torch.Generator().manual_seed(rows * hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
     weight = torch.randn(hidden, generator=gen).to(dtype)
@@ -92,7 +92,9 @@ def test_rotary_matches_float32_rotation_on_fused_qkv_views(
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,head_dim,rotary_dim", [(1, 9, 3, 64, 64), (300, 4, 1, 64, 32)]
 )
-def test_float32_rotary_matches_the_exact_rotation(tokens, heads, kv_heads, head_dim, rotary_dim):
+def test_float32_rotary_matches_the_exact_rotation(
+    either_build, tokens, heads, kv_heads, head_dim, rotary_dim
+):
     """In float32 nothing is rounded to bf16 first: float64's rotation, to a few ulp."""
     gen = torch.Generator().manual_seed(tokens)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -151,8 +153,9 @@ def test_silu_and_mul_rounds_the_float32_result_once(rows, d):
     assert out[0, 0] == 0 and out[0, 2] == 0  # silu(-100) underflows to 0; silu(0) is 0
 
 
+# 7 x 40 leaves a tail past the 8- and 16-wide vectors.
 @pytest.mark.parametrize("rows,d", [(1, 1536), (7, 40), (2048, 1536)])
-def test_float32_silu_and_mul_matches_the_exact_gate(rows, d):
+def test_float32_silu_and_mul_matches_the_exact_gate(either_build, rows, d):
     gen = torch.Generator().manual_seed(rows + d)
     x = torch.randn(rows, 2 * d, generator=gen) * 4
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])

@@ -27,18 +27,6 @@ def test_runs_wherever_the_cpu_has_avx512_or_avx2():
     assert cpu_gemm_f32.available() == (_width_here() > 0)
 
 
-@pytest.fixture
-def avx2_build(monkeypatch):
-    """The library built as for an AVX2 + FMA CPU without AVX-512 (AMD before Zen 4, say), on a
-    CPU that has AVX-512: the AVX2 form of the kernel, tested where the regular build runs the
-    AVX-512 one. (On an AVX2-only CPU the regular build is this one.)"""
-    if _width_here() != 16:
-        pytest.skip("the regular build here already is the AVX2 one, or neither runs")
-    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
-    cpu_library.library.cache_clear()
-    assert cpu_gemm_f32.lanes() == 8
-
-
 def assert_one_dot_rounding(got, x, w, bias=None):
     """Every element within 2^-18 of sum |x||w| (+ |bias|) of the exact result: float32
     summation in any order stays far inside; a wrong or missing term does not."""
@@ -67,6 +55,7 @@ def test_matches_the_exact_product(rows, n, k, with_bias):
 @pytest.mark.parametrize("rows", [2, 4, 7, 8, 9, 16, 17, 24, 40, 100, cpu_gemm_f32.MAX_ROWS])
 @pytest.mark.parametrize("n,k", [(1, 1), (6, 17), (13, 9), (960, 576)])
 def test_the_avx2_form_matches_the_exact_product(avx2_build, rows, n, k):
+    assert cpu_gemm_f32.lanes() == 8
     gen = torch.Generator().manual_seed(rows * n + k + 1)
     x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), None
     if rows % 2:
