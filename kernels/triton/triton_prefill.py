@@ -20,13 +20,71 @@ from kvfleet.kernels.reference import attention_dtype, is_fp8
 from kvfleet.kernels.triton.triton_dot import dot_precision, mma, upcast_dot
 from kvfleet.kernels.triton.triton_paged import paged_kv_offsets
 
-DEFAULT_BLOCK_M = 64
-DEFAULT_BLOCK_N = 64
+# Tiles of 128 queries against 32 keys, 4 warps: on an H200 (bf16, 32/8 heads, D 128) the
+# fastest of the tile shapes tried at 2048-8192 query tokens a step, where 64 x 64 ran 1.04-1.09x
+# longer (docs/benchmarks.md, "Prefill attention"); 128 x 128 on 8 warps was as fast at 1 x 2048
+# and 6% faster at 1 x 8192, but its K/V stages need more shared memory than smaller GPUs have.
+DEFAULT_BLOCK_M = 128
+DEFAULT_BLOCK_N = 32
 
 
 # Triton compiles a variant per "is 1 / divisible by 16" class of each integer argument. These
 # two change from step to step (where the prefills start, the block table's width), so they are
 # not specialised on: one compile serves every step, and the engine's warm-up makes it.
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    end,
+    pos,
+    table,
+    kvh,
+    offs_d,
+    d_mask,
+    k_cache_ptr,
+    v_cache_ptr,
+    scale_log2,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    WIDEN_KV: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+):
+    """One K/V tile of the online softmax: (m_i, l_i, acc) updated by keys n0..n0 + BLOCK_N.
+    CAUSAL_MASK False is for tiles every row sees whole (before the tile's first query
+    position, inside the context): no mask is built or applied there."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    kv_off = paged_kv_offsets(
+        table, offs_n, n_mask, kvh, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+    )
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if WIDEN_KV:
+        k = k.to(q.dtype)
+    qk = mma(q.to(k.dtype), tl.trans(k), UPCAST, PRECISION) * scale_log2
+    if CAUSAL_MASK:
+        # Key 0 is visible to every row (padding rows included), so each row's max is finite.
+        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if WIDEN_KV:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
@@ -58,7 +116,9 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0) + first_seq
     head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    # Query tiles further down a prompt see more keys: launching them first keeps the GPU
+    # from ending on a few long tiles while the rest of it idles.
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     # The grid is sized for the longest query of the batch; shorter ones skip surplus tiles.
@@ -81,31 +141,23 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        # Keys past the tile's last query position are masked for every row: stop there.
-        end = tl.minimum(seq_len, ctx_offset + (m_block + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            kv_off = paged_kv_offsets(
-                table, offs_n, n_mask, kvh, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
-            )
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if WIDEN_KV:
-                k = k.to(q.dtype)
-            qk = mma(q.to(k.dtype), tl.trans(k), UPCAST, PRECISION) * scale_log2
-            # Key 0 is visible to every row (padding rows included), so each row's max is finite.
-            visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if WIDEN_KV:
-                v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PRECISION)
-            m_i = m_new
+        # Keys up to the tile's first query position are visible to every row: whole tiles
+        # of them run unmasked. Keys past its last position are masked for every row: stop.
+        first_pos = ctx_offset + m_block * BLOCK_M
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        end = tl.minimum(seq_len, first_pos + BLOCK_M)
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, n0, end, pos, table, kvh, offs_d, d_mask, k_cache_ptr,
+                v_cache_ptr, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N,
+                PRECISION, UPCAST, WIDEN_KV, False,
+            )  # fmt: skip
+        for n0 in range(full_end, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, n0, end, pos, table, kvh, offs_d, d_mask, k_cache_ptr,
+                v_cache_ptr, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N,
+                PRECISION, UPCAST, WIDEN_KV, True,
+            )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
