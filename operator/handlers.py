@@ -9,6 +9,7 @@ and server errors are kopf.TemporaryError (retried with a delay).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,12 +60,21 @@ class OperatorConfig:
     cluster_domain: str = DEFAULT_CLUSTER_DOMAIN  # status.url's DNS domain
     api: KubeApi | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict, repr=False)
 
     def client(self) -> KubeApi:
         """The API client, created on first use from the environment."""
         if self.api is None:
             self.api = KubeApi.from_environment()
         return self.api
+
+    def reconciling(self, namespace: str, name: str) -> threading.Lock:
+        """Held while one InferenceService is reconciled: its own changes and every child's
+        events start reconciles, which kopf runs at once in its thread pool. Unserialised, one
+        that read the Deployment before a change could write its status after one that read it
+        since, and no event would come to correct it (controller-runtime's work queue gives the
+        same one-at-a-time guarantee)."""
+        return self.locks.setdefault((namespace, name), threading.Lock())
 
 
 def _owner_name(child: Mapping[str, Any]) -> str | None:
@@ -122,13 +132,14 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
 def refresh_from_child(config: OperatorConfig, namespace: str, name: str) -> None:
     """After a child changed: put back what drifted and bring the owner's status up to date."""
     api = config.client()
-    isvc = api.get(ISVCS, namespace, name)
-    if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-        return  # being deleted: garbage collection removes the children
-    with metrics.reconcile_timer("child"):
-        # Deleted while we worked: the write finds nothing (anything just created is collected
-        # with it).
-        write_status(config, isvc, reconcile(config, isvc))
+    with config.reconciling(namespace, name):
+        isvc = api.get(ISVCS, namespace, name)  # read under the lock: the last write included
+        if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+            return  # being deleted: garbage collection removes the children
+        with metrics.reconcile_timer("child"):
+            # Deleted while we worked: the write finds nothing (anything just created is
+            # collected with it).
+            write_status(config, isvc, reconcile(config, isvc))
 
 
 def write_status(config: OperatorConfig, isvc: Mapping[str, Any], status: dict[str, Any]) -> None:
@@ -136,7 +147,8 @@ def write_status(config: OperatorConfig, isvc: Mapping[str, Any], status: dict[s
 
     Preconditioned on the resourceVersion read: the autoscaler writes its AutoscalerReady
     condition into the same list, and a write based on an older read would erase it. On a
-    conflict the object is read again and its conditions of other types kept under ours."""
+    conflict the object is read again and its conditions of other types kept under ours (the
+    other writer is not another reconcile: OperatorConfig.reconciling)."""
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     metrics.observe_status(namespace, name, status)
@@ -242,12 +254,13 @@ def build_registry(
     @kopf.on.create(*ISVCS, registry=registry)
     @kopf.on.update(*ISVCS, registry=registry)
     def reconcile_isvc(body: kopf.Body, **_: Any) -> None:
-        isvc = {
-            "metadata": dict(body.metadata),
-            "spec": dict(body.spec),
-            "status": dict(body.status),
-        }
-        with metrics.reconcile_timer("inferenceservice"):
+        namespace, name = body.metadata["namespace"], body.metadata["name"]
+        with config.reconciling(namespace, name), metrics.reconcile_timer("inferenceservice"):
+            # Read under the lock, not kopf's body: that may predate the status another
+            # reconcile wrote meanwhile, and status.router says which router children exist.
+            isvc = config.client().get(ISVCS, namespace, name)
+            if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+                return  # being deleted: garbage collection removes the children
             status = reconcile(config, isvc)
             # Written here rather than through kopf's handler patch, which is not preconditioned
             # and would erase an AutoscalerReady condition the autoscaler wrote meanwhile; before
@@ -262,6 +275,7 @@ def build_registry(
     def forget_isvc(type: str, body: kopf.Body, **_: Any) -> None:
         if type == "DELETED":
             metrics.forget(body.metadata["namespace"], body.metadata["name"])
+            config.locks.pop((body.metadata["namespace"], body.metadata["name"]), None)
 
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)
     def deployment_changed(body: kopf.Body, **_: Any) -> None:

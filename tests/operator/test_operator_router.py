@@ -26,17 +26,6 @@ def condition(k8s, type_):
     return found and (found["status"], found["reason"])
 
 
-def ready_once_rolled_out(k8s, name):
-    """Ready, after doing the Deployment controller's part the emulator lacks: should the
-    operator's apply have moved the Deployment's generation past the status the test wrote,
-    report that generation available too (otherwise Ready waits on a rollout nothing finishes;
-    one full-suite run timed out on this wait, cause unproven, and this is one way it can)."""
-    dep = k8s.get(DEPLOYMENT, NS, name)
-    if (dep.get("status") or {}).get("observedGeneration") != dep["metadata"]["generation"]:
-        k8s.mutate(DEPLOYMENT, NS, name, deployment_available())
-    return condition(k8s, "Ready")
-
-
 def router_status(k8s):
     return ((k8s.get(ISVC, NS, "chat") or {}).get("status") or {}).get("router")
 
@@ -55,7 +44,7 @@ async def test_the_router_fronts_the_service_and_goes_away_when_turned_off(opera
 
     # The replicas are ready, the router is not: clients could not get through yet.
     k8s.mutate(DEPLOYMENT, NS, "chat", deployment_available())
-    await eventually(lambda: ready_once_rolled_out(k8s, "chat") == ("False", "RouterNotReady"))
+    await eventually(lambda: condition(k8s, "Ready") == ("False", "RouterNotReady"))
     k8s.mutate(DEPLOYMENT, NS, "chat-router", deployment_available())
     await eventually(lambda: condition(k8s, "Ready") == ("True", "AllReplicasReady"))
     await eventually(lambda: router_status(k8s) == {"mode": "kvfleet", "readyReplicas": 1})

@@ -1,15 +1,19 @@
 """The reconciler and the autoscaler write conditions into one status list; neither may erase
-the other's, whatever order their reads and writes interleave in."""
+the other's, whatever order their reads and writes interleave in. And of two reconciles of one
+InferenceService, the status written last is the one computed from the newer reads."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
 
-from kube_harness import ISVC, isvc_with
+from kube_harness import DEPLOYMENT, ISVC, deployment_available, isvc_with
 from kvfleet.operator import conditions as c
 from kvfleet.operator.autoscale_loop import AUTOSCALER_READY
 from kvfleet.operator.autoscale_loop import write_status as write_autoscaler_status
-from kvfleet.operator.handlers import OperatorConfig, write_status
+from kvfleet.operator.handlers import OperatorConfig, refresh_from_child, write_status
 from kvfleet.operator.kube_api import ISVCS, KubeApi
 
 NS = "default"
@@ -47,3 +51,41 @@ async def test_a_reconcile_from_a_stale_read_keeps_the_autoscalers_condition(kub
     await asyncio.to_thread(write_autoscaler_status, api, NS, "chat", None, ready)
     now = await asyncio.to_thread(api.get, ISVCS, NS, "chat")
     assert types(now) == {c.READY: "NoReplicasReady", AUTOSCALER_READY: "MetricsRead"}
+
+
+@dataclass(slots=True)
+class PausedBeforeStatusWrite(KubeApi):
+    """A client whose first status write waits, its reads done, until `resume` is set."""
+
+    paused: threading.Event = field(default_factory=threading.Event)
+    resume: threading.Event = field(default_factory=threading.Event)
+
+    def patch_preconditioned(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.paused.is_set():
+            self.paused.set()
+            self.resume.wait(timeout=10)
+        return KubeApi.patch_preconditioned(self, *args, **kwargs)
+
+
+async def test_a_reconcile_from_older_reads_never_writes_its_status_last(kube):
+    # Every child's event starts a reconcile of the InferenceService: one that read the
+    # Deployment before it became available must not write its status after one that read it
+    # since; no further event would come to correct it.
+    k8s = kube.emulator
+    k8s.create_object(ISVC, isvc_with("chat"))
+    slow = PausedBeforeStatusWrite(KubeApi.from_environment().api_client)
+    config = OperatorConfig(api=slow)
+    older = asyncio.create_task(asyncio.to_thread(refresh_from_child, config, NS, "chat"))
+    # It made the Deployment, read it with no replica ready, and is about to say so.
+    assert await asyncio.to_thread(slow.paused.wait, 10)
+
+    k8s.mutate(DEPLOYMENT, NS, "chat", deployment_available())
+    newer = asyncio.create_task(asyncio.to_thread(refresh_from_child, config, NS, "chat"))
+    # Unserialised, the newer one writes now; serialised, it waits for the older one (then the
+    # wait below ends unfinished and only makes this test slower).
+    await asyncio.wait([newer], timeout=2)
+    slow.resume.set()
+    await asyncio.gather(older, newer)
+
+    ready = c.find_condition(k8s.get(ISVC, NS, "chat")["status"]["conditions"], c.READY)
+    assert (ready["status"], ready["reason"]) == ("True", "AllReplicasReady")
