@@ -8,10 +8,10 @@
  *
  * Here the weight is never repacked, and each W row is read from memory once per call: columns
  * are the outer loop, split between threads. Two forms, by row count:
- * - Up to DOT_MAX_ROWS rows, dot form: a micro-tile of MR rows by NR columns keeps MR x NR
- *   vector accumulators of 16 partial sums along K (x's and W's rows are both contiguous along
- *   K), and one transpose-and-add tree (cpu_math.h's reduce16) turns them into the tile's 16
- *   outputs. x's few rows stay in L1.
+ * - Up to DOT_MAX_ROWS rows (16 on AVX-512, 1 on AVX2), dot form: a micro-tile of MR rows by
+ *   NR columns keeps MR x NR vector accumulators of 16 partial sums along K (x's and W's rows
+ *   are both contiguous along K), and one transpose-and-add tree (cpu_math.h's reduce16) turns
+ *   them into the tile's 16 outputs. x's few rows stay in L1.
  * - Above, rows in lanes: x is transposed once per call into xT [K, rows padded to 16], and a
  *   panel of PR columns keeps MV x PR accumulators, each 16 rows of one column. Per k it loads
  *   MV vectors of xT and broadcasts PR scalars of W straight from the weight rows, so no sums
@@ -44,7 +44,6 @@
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3 };
 
 #define NR 4 /* output columns per micro-tile */
-#define DOT_MAX_ROWS 16 /* the dot form's last row count; measured in `kvfleet bench cpu-kernels` */
 #define PREFETCH_AHEAD 128 /* elements along a W row fetched into L1 ahead of use (8 lines) */
 #define LINE_FLOATS 16     /* floats per 64-byte cache line */
 
@@ -52,6 +51,7 @@ enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3 };
 #define GEMM_SIMD 1
 #define LANES 16
 #define MR 4 /* rows per micro-tile: MR x NR = LANES accumulators, one reduce */
+#define DOT_MAX_ROWS 16 /* the dot form's last row count; measured in `kvfleet bench cpu-kernels` */
 typedef __m512 vec;
 typedef __m512i veci;
 #define vzero() _mm512_setzero_ps()
@@ -79,6 +79,11 @@ static inline vec gather_first(const float *base, veci offsets, int64_t valid) {
 #define GEMM_SIMD 1
 #define LANES 8
 #define MR 2
+/* Built for AVX2, rows in lanes took 1.2-1.5x less time than the dot form at 2-16 rows (the
+ * bundled model's 120 projections a step, emulated on a Zen 4 host, builds alternating): the
+ * dot form's 2 x 4 micro-tiles pass over each weight tile once per 2 rows, rows in lanes once.
+ * At 1 row the two were within noise, and the dot form needs no transpose. */
+#define DOT_MAX_ROWS 1
 typedef __m256 vec;
 typedef __m256i veci;
 #define vzero() _mm256_setzero_ps()
