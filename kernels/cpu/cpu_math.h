@@ -199,8 +199,8 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* Whether silu_and_mul_row_as's vector loop runs for a type: bf16 needs AVX512-BF16 for its
- * rounding store, float32 AVX-512 alone. */
+/* Whether silu_and_mul_row_as's AVX-512 loop runs for a type: bf16 needs AVX512-BF16 for its
+ * rounding store, float32 AVX-512 alone. (Built for AVX2, float32 has a loop of its own.) */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define SILU_VECTOR(bf16) 1
 #elif defined(__AVX512F__)
