@@ -217,8 +217,9 @@ def paged_attention(
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     # Decodes of CPU tensors on head-major caches go to the C kernel (several times faster than
     # the reference's gather + batched matmuls), bf16 prefills to the AMX kernel where the CPU
-    # has AMX (1.7-2.6x SDPA, `kvfleet bench cpu-kernels`), float32 prefills to the AVX-512
-    # one; anything else stays on the reference.
+    # has AMX (1.7-2.6x SDPA, `kvfleet bench cpu-kernels`), others to the AVX-512 or AVX2 one
+    # (which leaves long contexts to the reference: `cpu_prefill.takes`); anything else stays
+    # on the reference.
     decode_fn = prefill_fn = None
     if cpu_attention.supports(query, k_cache, v_cache) and cpu_attention.available():
         decode_fn = cpu_attention.run_decode
@@ -228,7 +229,7 @@ def paged_attention(
         and cpu_prefill.supports(query, k_cache, v_cache)
         and cpu_prefill.available(query.dtype)
     ):
-        prefill_fn = cpu_prefill.prefill_attention
+        prefill_fn = cpu_prefill.run_prefill
     return reference.paged_attention(
         query, k_cache, v_cache, meta, scale, decode_fn=decode_fn, prefill_fn=prefill_fn
     )

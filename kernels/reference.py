@@ -218,7 +218,8 @@ def paged_attention(
     `decode_fn` (default `decode_attention`) computes the decode part: the CPU dispatch passes
     the C kernel, which takes `decode_attention`'s arguments. `prefill_fn`, when given, computes
     each prefill instead of `prefill_attention`: (query, k_cache, v_cache, block_table, seq_len,
-    scale, out) writing into `out`, this sequence's rows of the result."""
+    scale, out) writing into `out`, this sequence's rows of the result, and returning True; or
+    False to leave that sequence here (with its causal mask built once for every layer)."""
     nd = meta.num_decodes
     decoded = None
     if nd:
@@ -239,10 +240,10 @@ def paged_attention(
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
-        if prefill_fn is not None:
-            rows = slice(start, start + q_len)
-            table = meta.block_tables[i]
-            prefill_fn(query[rows], k_cache, v_cache, table, seq_len, scale, out[rows])
+        rows = slice(start, start + q_len)
+        if prefill_fn is not None and prefill_fn(
+            query[rows], k_cache, v_cache, meta.block_tables[i], seq_len, scale, out[rows]
+        ):
             start += q_len
             continue
         mask = None

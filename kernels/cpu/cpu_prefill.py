@@ -97,6 +97,29 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     )
 
 
+def takes(query: torch.Tensor, seq_len: int) -> bool:
+    """Whether the kernel takes a sequence of `seq_len` context tokens: built for AVX2 it leaves
+    those past AVX2_MAX_CONTEXT to SDPA, which is faster there (bf16 on AMX takes every one)."""
+    return _on_amx(query) or _vectors() != KERNEL_AVX2 or seq_len <= AVX2_MAX_CONTEXT
+
+
+def run_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """`reference.paged_attention`'s prefill_fn: this sequence into `out` on the kernel (True),
+    or False where the kernel leaves it to the reference (`takes`)."""
+    if not takes(query, seq_len):
+        return False
+    prefill_attention(query, k_cache, v_cache, block_table, seq_len, scale, out)
+    return True
+
+
 def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -109,12 +132,6 @@ def prefill_attention(
     """`reference.prefill_attention` (causal, the query being the last q of `seq_len`
     positions) written into `out` ([q, heads, D], heads packed per token) when given. Callers
     check `available(query.dtype)` and `supports()` first."""
-    if _vectors() == KERNEL_AVX2 and seq_len > AVX2_MAX_CONTEXT and not _on_amx(query):
-        result = reference.prefill_attention(query, k_cache, v_cache, block_table, seq_len, scale)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
     q_len, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     target = out

@@ -82,13 +82,17 @@ def test_the_avx2_build_matches_dense_softmax(monkeypatch):
             torch.testing.assert_close(
                 got.double(), dense_attention(query, kc, vc, scale), **CLOSE[dtype]
             )
-    # Past AVX2_MAX_CONTEXT the AVX2 build hands the sequence to SDPA, which is faster there.
+    # Past AVX2_MAX_CONTEXT the AVX2 build leaves the sequence to SDPA, which is faster there:
+    # run_prefill (the dispatch's prefill_fn) declines it, writing nothing, and takes shorter.
     monkeypatch.setattr(cpu_prefill, "AVX2_MAX_CONTEXT", 50)
     query, k, v, table = _case(1, 20, 60, 2, 3, 64, 16)
-    calls = record_rows(monkeypatch, reference, "prefill_attention")
-    got = cpu_prefill.prefill_attention(query, k, v, table, 60, 0.125)
-    assert calls == [20]
-    torch.testing.assert_close(got, reference.prefill_attention(query, k, v, table, 60, 0.125))
+    out = torch.full_like(query, 7.0)
+    assert not cpu_prefill.run_prefill(query, k, v, table, 60, 0.125, out)
+    assert bool((out == 7.0).all())
+    query, k, v, table = _case(1, 20, 50, 2, 3, 64, 16)
+    assert cpu_prefill.run_prefill(query, k, v, table, 50, 0.125, out)
+    kc, vc = contiguous_context(k, table, 50), contiguous_context(v, table, 50)
+    torch.testing.assert_close(out.double(), dense_attention(query, kc, vc, 0.125), **CLOSE[BF16])
 
 
 def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0, dtype=BF16):
@@ -232,6 +236,22 @@ def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, kernel, block_size):
     assert calls == [40, 9]  # one call per prefill, none for the decodes
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def test_the_avx2_build_leaves_long_contexts_of_a_step_to_sdpa(monkeypatch):
+    """Built for AVX2, a prefill whose context passes AVX2_MAX_CONTEXT runs on the reference's
+    SDPA, in the same step as shorter ones on the kernel."""
+    if not cpu_prefill.available(F32):
+        pytest.skip("this CPU or build has no AVX-512 or AVX2 (a test above checks which)")
+    tokens, k, v, meta = _mixed_batch(F32, activations=F32)
+    want = reference.paged_attention(tokens, k, v, meta, 0.125)
+    monkeypatch.setattr(cpu_prefill, "_vectors", lambda: cpu_prefill.KERNEL_AVX2)
+    monkeypatch.setattr(cpu_prefill, "AVX2_MAX_CONTEXT", 30)  # the prefills' contexts: 40, 25
+    kernel_rows = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
+    sdpa_rows = record_rows(monkeypatch, reference, "prefill_attention")
+    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    assert kernel_rows == [9] and sdpa_rows == [40]
+    torch.testing.assert_close(got, want, **TOLERANCE[F32])
 
 
 @pytest.mark.parametrize("reason", ["fp8 cache", "bf16 8-token blocks on AMX", "kernels off"])
