@@ -79,6 +79,22 @@ static inline void add_rms_norm_row(const uint16_t *x, float *r, int has_residua
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
+/* The vector forms' shared middle: exp(r) for r = xc - n ln2 (ln2 in its two parts), by
+ * exp_nonpositive's polynomial (below), in one vector width (MM: the intrinsics' prefix,
+ * _mm512 or _mm256). exp16 and exp8 each keep their own rounding of n and scaling by 2^n. */
+#define DEFINE_EXP_REDUCED(NAME, VEC, MM)                                                    \
+    static inline VEC NAME(VEC xc, VEC n) {                                                  \
+        VEC r = MM##_fnmadd_ps(n, MM##_set1_ps(EXP_LN2_HI), xc);                             \
+        r = MM##_fnmadd_ps(n, MM##_set1_ps(EXP_LN2_LO), r);                                  \
+        VEC p = MM##_set1_ps(EXP_P0);                                                        \
+        p = MM##_fmadd_ps(p, r, MM##_set1_ps(EXP_P1));                                       \
+        p = MM##_fmadd_ps(p, r, MM##_set1_ps(EXP_P2));                                       \
+        p = MM##_fmadd_ps(p, r, MM##_set1_ps(EXP_P3));                                       \
+        p = MM##_fmadd_ps(p, r, MM##_set1_ps(EXP_P4));                                       \
+        p = MM##_fmadd_ps(p, r, MM##_set1_ps(EXP_P5));                                       \
+        return MM##_fmadd_ps(MM##_mul_ps(p, r), r, MM##_add_ps(r, MM##_set1_ps(1.0f)));      \
+    }
+
 /* exp(x) for x <= 0 (attention scores minus their running max), within 2 ulp of expf. libm's
  * expf is a call per element (a third of the attention kernel's time at head_dim 64); this is
  * plain float and integer arithmetic, so a loop over it vectorises. Cephes' method:
@@ -107,6 +123,8 @@ static inline float exp_nonpositive(float x) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+DEFINE_EXP_REDUCED(exp_reduced16, __m512, _mm512)
+
 /* exp(x) for 16 lanes of x <= 0 (or -inf): exp_nonpositive's method, with the rounding and
  * the 2^n scaling done by roundscale and scalef. */
 static inline __m512 exp16(__m512 x) {
@@ -115,15 +133,7 @@ static inline __m512 exp16(__m512 x) {
     const __m512 xc = _mm512_max_ps(x, underflow);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 p = exp_reduced16(xc, n);
     return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
 }
 #endif
@@ -176,6 +186,8 @@ static inline __m256 reduce8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+DEFINE_EXP_REDUCED(exp_reduced8, __m256, _mm256)
+
 /* exp16's AVX2 form, for 8 lanes of x <= 0 (or -inf): the same reduction and polynomial, with
  * 2^n built in the exponent bits (n >= -126 once x is clamped at -87, so 2^n is normal). */
 static inline __m256 exp8(__m256 x) {
@@ -184,15 +196,7 @@ static inline __m256 exp8(__m256 x) {
     const __m256 xc = _mm256_max_ps(x, underflow);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256 p = exp_reduced8(xc, n);
     const __m256i bits =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
