@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from kvfleet.kernels.reference import attention_dtype, is_fp8
-from kvfleet.kernels.triton.triton_dot import dot_precision, mma, upcast_dot
-from kvfleet.kernels.triton.triton_paged import paged_kv_offsets
+from kvfleet.kernels.triton.triton_dot import dot_precision, upcast_dot
+from kvfleet.kernels.triton.triton_tile import CONTEXT_END, attend_tile
 
 # Below this many context tokens per split the extra reduce pass costs more than it saves.
 MIN_SPLIT_TOKENS = 256
@@ -97,27 +97,13 @@ def _decode_kernel(
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         table = block_tables_ptr + seq64 * stride_bt
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            kv_off = paged_kv_offsets(
-                table, offs_n, n_mask, kvh, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
-            )
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if WIDEN_KV:
-                k = k.to(q.dtype)
-            qk = mma(q.to(k.dtype), tl.trans(k), UPCAST, PRECISION) * scale_log2
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            # Every tile holds at least one valid token, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if WIDEN_KV:
-                v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PRECISION)
-            m_i = m_new
+            # Every tile holds at least one valid token, so the max stays finite. (`end` also
+            # stands in for the per-row positions, which CONTEXT_END does not read.)
+            m_i, l_i, acc = attend_tile(
+                q, m_i, l_i, acc, n0, end, end, table, kvh, offs_d, d_mask, k_cache_ptr,
+                v_cache_ptr, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N,
+                PRECISION, UPCAST, WIDEN_KV, CONTEXT_END,
+            )  # fmt: skip
         acc = acc / l_i[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SPLIT:

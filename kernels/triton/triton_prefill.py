@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from kvfleet.kernels.reference import attention_dtype, is_fp8
-from kvfleet.kernels.triton.triton_dot import dot_precision, mma, upcast_dot
-from kvfleet.kernels.triton.triton_paged import paged_kv_offsets
+from kvfleet.kernels.triton.triton_dot import dot_precision, upcast_dot
+from kvfleet.kernels.triton.triton_tile import CAUSAL, NO_MASK, attend_tile
 
 # Tiles of 128 queries against 32 keys, 4 warps: on an H200 (bf16, 32/8 heads, D 128) the
 # fastest of the tile shapes tried at 2048-8192 query tokens a step, where 64 x 64 ran 1.04-1.09x
@@ -31,60 +31,6 @@ DEFAULT_BLOCK_N = 32
 # Triton compiles a variant per "is 1 / divisible by 16" class of each integer argument. These
 # two change from step to step (where the prefills start, the block table's width), so they are
 # not specialised on: one compile serves every step, and the engine's warm-up makes it.
-@triton.jit
-def _attend_tile(
-    q,
-    m_i,
-    l_i,
-    acc,
-    n0,
-    end,
-    pos,
-    table,
-    kvh,
-    offs_d,
-    d_mask,
-    k_cache_ptr,
-    v_cache_ptr,
-    scale_log2,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    WIDEN_KV: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-):
-    """One K/V tile of the online softmax: (m_i, l_i, acc) updated by keys n0..n0 + BLOCK_N.
-    CAUSAL_MASK False is for tiles every row sees whole (before the tile's first query
-    position, inside the context): no mask is built or applied there."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < end
-    kv_off = paged_kv_offsets(
-        table, offs_n, n_mask, kvh, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
-    )
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    if WIDEN_KV:
-        k = k.to(q.dtype)
-    qk = mma(q.to(k.dtype), tl.trans(k), UPCAST, PRECISION) * scale_log2
-    if CAUSAL_MASK:
-        # Key 0 is visible to every row (padding rows included), so each row's max is finite.
-        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    if WIDEN_KV:
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PRECISION)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
@@ -147,16 +93,17 @@ def _prefill_kernel(
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         end = tl.minimum(seq_len, first_pos + BLOCK_M)
         for n0 in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, n0, end, pos, table, kvh, offs_d, d_mask, k_cache_ptr,
                 v_cache_ptr, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N,
-                PRECISION, UPCAST, WIDEN_KV, False,
+                PRECISION, UPCAST, WIDEN_KV, NO_MASK,
             )  # fmt: skip
         for n0 in range(full_end, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
+            # Each row saw the whole tiles before, or sees key 0 here (padding rows too).
+            m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, n0, end, pos, table, kvh, offs_d, d_mask, k_cache_ptr,
                 v_cache_ptr, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N,
-                PRECISION, UPCAST, WIDEN_KV, True,
+                PRECISION, UPCAST, WIDEN_KV, CAUSAL,
             )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(
