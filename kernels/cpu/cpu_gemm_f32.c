@@ -79,10 +79,11 @@ static inline vec gather_first(const float *base, veci offsets, int64_t valid) {
 #define GEMM_SIMD 1
 #define LANES 8
 #define MR 2
-/* Built for AVX2, rows in lanes took 1.2-1.5x less time than the dot form at 2-16 rows (the
- * bundled model's 120 projections a step, emulated on a Zen 4 host, builds alternating): the
- * dot form's 2 x 4 micro-tiles pass over each weight tile once per 2 rows, rows in lanes once.
- * At 1 row the two were within noise, and the dot form needs no transpose. */
+/* Built for AVX2, rows in lanes took 1.3-1.9x less time than the dot form at 2-16 rows (a step's
+ * projections of the bundled model, `kvfleet bench cpu-kernels` emulated on a Zen 4 host,
+ * docs/benchmarks.md): the dot form's 2 x 4 micro-tiles pass over each weight tile once per 2
+ * rows, rows in lanes once. At 1 row the two were within noise, and the dot form needs no
+ * transpose. */
 #define DOT_MAX_ROWS 1
 typedef __m256 vec;
 typedef __m256i veci;
