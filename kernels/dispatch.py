@@ -26,6 +26,7 @@ from kvfleet.kernels.cpu import (
     cpu_linear,
     cpu_prefill,
 )
+from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -67,6 +68,12 @@ def _triton_available() -> bool:
 # installs may lack it entirely.
 
 
+def memory_arena(device: torch.device | str) -> HugePageArena | None:
+    """Where a model's streamed weights or KV caches on `device` go: a fresh huge-page arena on
+    CPU (`huge_pages`), None elsewhere (the device's own allocator)."""
+    return HugePageArena() if torch.device(device).type == "cpu" else None
+
+
 def allocate_kv_cache(
     num_blocks: int,
     block_size: int,
@@ -74,10 +81,12 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    arena: HugePageArena | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K/V caches, [num_blocks, block_size, num_kv_heads, head_dim], in the memory
     layout the backend that will read them wants: contiguous for the Triton kernels, head-major
-    storage for the torch path (its decode gather copies whole blocks of one head)."""
+    storage for the torch path (its decode gather copies whole blocks of one head). CPU caches
+    come from `arena` if given."""
     probe = torch.empty(0, device=device)
     return reference.allocate_kv_cache(
         num_blocks,
@@ -87,16 +96,22 @@ def allocate_kv_cache(
         dtype,
         device,
         head_major=not use_triton(probe),
+        arena=arena if probe.device.type == "cpu" else None,
     )
 
 
-def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | cpu_linear.PackedLinear:
+def prepack_linear_weight(
+    weight: torch.Tensor, arena: HugePageArena | None = None
+) -> torch.Tensor | cpu_linear.PackedLinear:
     """The form of a [out, in] projection weight that `linear` runs fastest: for bf16 CPU
     weights a `cpu_linear.PackedLinear` (oneDNN's blocked layout, plus AMX tile order where
-    that kernel runs; the plain weight can then be freed), else the weight itself. Call once,
-    after the weights are loaded."""
+    that kernel runs; the plain weight can then be freed); other CPU weights copied into
+    `arena` when one is given (the same values, on huge pages); else the weight itself. Call
+    once, after the weights are loaded."""
     if cpu_linear.supports(weight) and cpu_linear.available():
-        return cpu_linear.pack(weight)
+        return cpu_linear.pack(weight, arena)
+    if arena is not None and weight.device.type == "cpu":
+        return arena.copy(weight.detach())
     return weight
 
 

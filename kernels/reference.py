@@ -13,9 +13,13 @@ as contiguous rows, and the batched matmuls read contiguous K/V.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from kvfleet.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvfleet.kernels.cpu.huge_pages import HugePageArena
 
 # fp8 KV caches (--kv-cache-dtype fp8): the largest finite value of each format. Writes
 # saturate to it, as vLLM's fp8 cache writes do, rather than overflow to NaN; reads widen to
@@ -60,19 +64,21 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     head_major: bool = False,
+    arena: HugePageArena | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V caches, zeroed (masked slots are multiplied by 0: garbage NaNs would
-    leak through), shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
+    leak through), shaped [num_blocks, block_size, num_kv_heads, head_dim]; CPU storage from
+    `arena` if given."""
+
+    def zeros(*shape: int) -> torch.Tensor:
+        if arena is not None:
+            return arena.empty(shape, dtype).zero_()
+        return torch.zeros(*shape, dtype=dtype, device=device)
 
     def one() -> torch.Tensor:
         if head_major:
-            storage = torch.zeros(
-                num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
-            )
-            return storage.permute(1, 2, 0, 3)
-        return torch.zeros(
-            num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+            return zeros(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3)
+        return zeros(num_blocks, block_size, num_kv_heads, head_dim)
 
     return one(), one()
 

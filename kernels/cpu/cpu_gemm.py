@@ -20,6 +20,7 @@ import functools
 
 import torch
 from kvfleet.kernels.cpu import cpu_library
+from kvfleet.kernels.cpu.huge_pages import HugePageArena
 
 # Row counts the AMX engine takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
 # faster; at 128-1024 rows (a serving batch's decodes plus a new prompt) it computes 1.1x faster
@@ -99,12 +100,13 @@ def supports(weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> torch.Tensor:
     """[N, K] -> [N/16, K/32, 16, 32]: per 16-column block and 32-deep K step, one B tile whose
-    row r holds each column's pair of inputs (2r, 2r+1) side by side."""
+    row r holds each column's pair of inputs (2r, 2r+1) side by side; in `arena` if given."""
     n, k = weight.shape
     tiles = weight.detach().reshape(n // 16, 16, k // 32, 16, 2)  # [nb, c, kt, r, pair]
-    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+    tiles = tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    return arena.copy(tiles) if arena is not None else tiles.contiguous()
 
 
 # What the kernel does to each input row while packing it (cpu_gemm.c's PROLOGUE_*).

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from kvfleet.kernels.cpu import cpu_features, cpu_gemm
+from kvfleet.kernels.cpu.huge_pages import HugePageArena
 
 
 @functools.cache
@@ -77,10 +78,13 @@ class PackedLinear:
     in_features: int
 
 
-def pack(weight: torch.Tensor) -> PackedLinear:
-    """The weight in the layouts `linear` below reads."""
+def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedLinear:
+    """The weight in the layouts `linear` below reads; the tiles that decode steps stream in
+    `arena` if given (oneDNN allocates its own layout)."""
     plain = weight.detach().contiguous()
-    tiles = cpu_gemm.pack(plain) if cpu_gemm.supports(plain) and cpu_gemm.available() else None
+    tiles = (
+        cpu_gemm.pack(plain, arena) if cpu_gemm.supports(plain) and cpu_gemm.available() else None
+    )
     onednn = torch.ops.mkldnn._reorder_linear_weight(plain)
     return PackedLinear(onednn, tiles, plain.shape[0], plain.shape[1])
 

@@ -105,10 +105,12 @@ def allocate_kv_caches(
     kv_dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's K/V cache for `num_kv_heads` heads (a tensor-parallel rank's own)."""
+    """Every layer's K/V cache for `num_kv_heads` heads (a tensor-parallel rank's own); on CPU
+    on huge pages, since decode attention streams them as a step streams the weights."""
+    arena = dispatch.memory_arena(device)
     return [
         dispatch.allocate_kv_cache(
-            num_blocks, block_size, num_kv_heads, model_config.head_dim, kv_dtype, device
+            num_blocks, block_size, num_kv_heads, model_config.head_dim, kv_dtype, device, arena
         )
         for _ in range(model_config.num_layers)
     ]

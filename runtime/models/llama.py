@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_step
+from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.models.config import ModelConfig
 from kvfleet.runtime.models.shard_layout import ShardLayout, shard_layout
@@ -30,14 +31,20 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _prepack(module: nn.Module, name: str) -> None:
+def _prepack(module: nn.Module, name: str, arena: HugePageArena | None) -> None:
     """Replace parameter `name` with its prepacked form, a plain attribute (an opaque tensor is
-    no Parameter); the plain weight is freed unless something else holds it."""
+    no Parameter); the plain weight is freed unless something else holds it. A weight that
+    only moved (the same tensor in `arena`) stays the same Parameter with new storage, so a
+    tied LM head stays the embedding table."""
     weight = getattr(module, name)
-    packed = dispatch.prepack_linear_weight(weight)
-    if packed is not weight:
-        delattr(module, name)
-        setattr(module, name, packed)
+    packed = dispatch.prepack_linear_weight(weight, arena)
+    if packed is weight:
+        return
+    if isinstance(packed, torch.Tensor) and isinstance(weight, nn.Parameter):
+        weight.data = packed
+        return
+    delattr(module, name)
+    setattr(module, name, packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -152,13 +159,15 @@ class LlamaModel(nn.Module):
 
     def prepack(self) -> None:
         """Swap every projection weight and the LM head for the layout `dispatch.linear` runs
-        fastest (on CPU in bfloat16: oneDNN's prepacked one; elsewhere nothing changes). Call
+        fastest (on CPU in bfloat16: oneDNN's prepacked one and kvfleet's tiles; in other
+        dtypes on CPU the same weight moved onto huge pages; on a GPU nothing changes). Call
         once, after loading: prepacked weights are no longer parameters. A tied LM head gets
         its own packed copy, since the embedding lookup still needs the plain table."""
+        arena = dispatch.memory_arena(self.embed_tokens.device)
         for layer in self.layers:
             for name in PROJECTIONS:
-                _prepack(layer, name)
-        _prepack(self, "lm_head")
+                _prepack(layer, name, arena)
+        _prepack(self, "lm_head", arena)
         self._stack_caches = self._stack = None  # weights moved: build it afresh
 
     def decode_stack_for(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_gemm_f32
+from kvfleet.kernels.cpu import cpu_gemm_f32, huge_pages
 from kvfleet.runtime.cli import main
 
 PATHS = {
@@ -39,6 +39,8 @@ def test_reports_every_figure_with_its_bound_and_path(dtype, tiny_llama_dir, tmp
     assert report["kernel_path"] in PATHS
     assert report["weight_bytes"] > 0 and report["read_rate_bytes_per_s"] > 0
     assert report["gemm_flops_per_s"] > 0
+    # The weights stream from huge pages where the kernel has them, and the report says so.
+    assert report["weights_on_huge_pages"] is huge_pages.enabled()
     bound = report["weight_bytes"] / report["read_rate_bytes_per_s"] * 1e3
     assert report["weight_stream_bound_ms"] == pytest.approx(bound)
     assert [r["sequences"] for r in report["decode"]] == [1, 4]
