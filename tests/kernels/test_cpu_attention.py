@@ -211,3 +211,56 @@ def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_library, "FLAGS", [*cpu_library.FLAGS, "-DKVFLEET_TEST=1"])
     assert cpu_library.build() != first
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+# Contexts past SPLIT_KEYS (1024) keys are cut into ranges computed as separate tasks and
+# combined after; the lengths straddle each cut.
+LONG_LENS = [1025, 2048, 2600, 1024, 5, 3073]
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+@pytest.mark.parametrize(
+    "dtype,block_size", [(F32, 16), (BF16, 16), (BF16, 32), (F32, 8), (torch.float8_e4m3fn, 16)]
+)
+def test_long_contexts_split_then_combined_match_dense(monkeypatch, amx, dtype, block_size):
+    monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
+    gen = torch.Generator().manual_seed(11)
+    case = paged_case(gen, LONG_LENS, block_size, 2, 64, BF16 if dtype.itemsize == 1 else dtype)
+    k, v = head_major(case.k_cache), head_major(case.v_cache)
+    if dtype.itemsize == 1:  # fp8 caches: the kernel widens what the rounding kept
+        k, v = k.to(dtype), v.to(dtype)
+    query = torch.randn((len(LONG_LENS), 6, 64), generator=gen).to(BF16 if dtype != F32 else F32)
+    assert cpu_attention.supports(query, k, v)
+    got = cpu_attention.decode_attention(
+        query, k, v, case.block_tables, case.seq_lens, max(LONG_LENS), 0.125
+    )
+    for s, n in enumerate(LONG_LENS):
+        kc = contiguous_context(k.float(), case.block_tables[s], n)
+        vc = contiguous_context(v.float(), case.block_tables[s], n)
+        dense = dense_attention(query[s : s + 1].float(), kc, vc, 0.125)[0]
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got[s].double(), dense, **tol)
+
+
+def test_a_long_sequence_gets_the_same_bits_alone_in_a_batch_and_on_one_thread():
+    """Where a context is cut depends on its own length only: a sequence's output does not
+    depend on the batch beside it or on the thread count (the tokens a seed gives must not)."""
+    gen = torch.Generator().manual_seed(12)
+    case = paged_case(gen, LONG_LENS, 16, 3, 64, BF16)
+    k, v = head_major(case.k_cache), head_major(case.v_cache)
+    query = torch.randn((len(LONG_LENS), 9, 64), generator=gen).to(BF16)
+    batch = cpu_attention.run_decode(
+        query, k, v, case.block_tables, case.seq_lens, max(LONG_LENS), 0.125
+    )
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for s in (0, 2, 5):
+                alone = cpu_attention.run_decode(
+                    query[s : s + 1], k, v, case.block_tables[s : s + 1],
+                    case.seq_lens[s : s + 1], LONG_LENS[s], 0.125,
+                )  # fmt: skip
+                assert torch.equal(alone[0], batch[s]), (threads, s)
+    finally:
+        torch.set_num_threads(previous)
