@@ -8,6 +8,7 @@ and server errors are kopf.TemporaryError (retried with a delay).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from kvfleet.operator.kube_api import (
     KubeApi,
     KubeApiError,
 )
+from kvfleet.operator.refresh_queue import RefreshQueue
 from kvfleet.operator.render import (
     DEFAULT_CLUSTER_DOMAIN,
     MANAGED_BY,
@@ -61,6 +63,8 @@ class OperatorConfig:
     api: KubeApi | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict, repr=False)
+    # Owners whose children changed, reconciled with retries (build_registry makes it).
+    refresh_queue: RefreshQueue | None = field(default=None, repr=False)
 
     def client(self) -> KubeApi:
         """The API client, created on first use from the environment."""
@@ -212,6 +216,7 @@ def build_registry(
     """A kopf registry holding the operator's handlers (an explicit one: tests run several)."""
     config = config or OperatorConfig()
     registry = registry or kopf.OperatorRegistry()
+    queue = config.refresh_queue = RefreshQueue(functools.partial(refresh_from_child, config))
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
@@ -249,6 +254,11 @@ def build_registry(
         settings.posting.level = logging.WARNING  # an int: a string silently stops handlers
         settings.execution.max_workers = 8
         config.client()
+        queue.start()
+
+    @kopf.on.cleanup(registry=registry)
+    def stop_refresh_queue(**_: Any) -> None:
+        queue.stop()
 
     @kopf.on.resume(*ISVCS, registry=registry)
     @kopf.on.create(*ISVCS, registry=registry)
@@ -274,27 +284,31 @@ def build_registry(
     @kopf.on.event(*ISVCS, registry=registry)
     def forget_isvc(type: str, body: kopf.Body, **_: Any) -> None:
         if type == "DELETED":
-            metrics.forget(body.metadata["namespace"], body.metadata["name"])
-            config.locks.pop((body.metadata["namespace"], body.metadata["name"]), None)
+            namespace, name = body.metadata["namespace"], body.metadata["name"]
+            metrics.forget(namespace, name)
+            queue.forget(namespace, name)
+            config.locks.pop((namespace, name), None)
 
+    # A child's event queues its owner's reconcile (refresh_queue.py: retried until it
+    # succeeds, one per burst of events) instead of running it in kopf's one-shot handler.
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)
     def deployment_changed(body: kopf.Body, **_: Any) -> None:
         owner = _owner_name(body)
         if owner:
-            refresh_from_child(config, body.metadata["namespace"], owner)
+            queue.add(body.metadata["namespace"], owner)
 
     @kopf.on.event("", "v1", "services", labels=MANAGED, registry=registry)
     def service_changed(body: kopf.Body, **_: Any) -> None:
         owner = _owner_name(body)
         if owner:
-            refresh_from_child(config, body.metadata["namespace"], owner)
+            queue.add(body.metadata["namespace"], owner)
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry)
     def pod_changed(body: kopf.Body, **_: Any) -> None:
         # Pods are owned by ReplicaSets; the instance label names the InferenceService.
         name = (body.metadata.get("labels") or {}).get("app.kubernetes.io/instance")
         if name:
-            refresh_from_child(config, body.metadata["namespace"], name)
+            queue.add(body.metadata["namespace"], name)
 
     _register_autoscaler(registry, config)
     return registry

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kube_harness import (
     DEPLOYMENT,
     ISVC,
@@ -12,6 +14,7 @@ from kube_harness import (
     isvc_with,
 )
 from kvfleet.operator.conditions import find_condition
+from kvfleet.operator.kube_api import KubeApi, KubeApiError
 
 NS = "default"
 
@@ -96,6 +99,28 @@ async def test_available_deployment_makes_ready_true(operator):
     assert ready["observedGeneration"] == status["observedGeneration"] == 1
     assert status["readyReplicas"] == 2 and status["replicas"] == 2
     assert condition(k8s, "chat", "Degraded")["status"] == "False"
+
+
+async def test_ready_is_reported_even_when_status_writes_fail_for_a_while(operator, monkeypatch):
+    # The Deployment's events are the only news that it became available: status writes that
+    # failed then must be retried, or Ready stays False with nothing left to correct it.
+    k8s = operator.emulator
+    k8s.create_object(ISVC, isvc_with("chat", replicas=2))
+    await eventually(lambda: condition(k8s, "chat", "Ready"))
+    failed: list[float] = []
+    write = KubeApi.patch_preconditioned
+    outage_ends = time.monotonic() + 1.5
+
+    def failing_for_a_while(self, resource, namespace, name, compute, **kwargs):
+        if kwargs.get("sub") == "status" and time.monotonic() < outage_ends:
+            failed.append(time.monotonic())
+            raise KubeApiError(500, "InternalError", "etcdserver: request timed out")
+        return write(self, resource, namespace, name, compute, **kwargs)
+
+    monkeypatch.setattr(KubeApi, "patch_preconditioned", failing_for_a_while)
+    k8s.mutate(DEPLOYMENT, NS, "chat", deployment_available())
+    await eventually(lambda: (c := condition(k8s, "chat", "Ready")) and c["status"] == "True" and c)
+    assert failed and time.monotonic() >= outage_ends
 
 
 async def test_crash_looping_pod_shows_degraded(operator):
