@@ -161,8 +161,9 @@ class LlamaModel(nn.Module):
         """Swap every projection weight and the LM head for the layout `dispatch.linear` runs
         fastest (on CPU in bfloat16: oneDNN's prepacked one and kvfleet's tiles; in other
         dtypes on CPU the same weight moved onto huge pages; on a GPU nothing changes). Call
-        once, after loading: prepacked weights are no longer parameters. A tied LM head gets
-        its own packed copy, since the embedding lookup still needs the plain table."""
+        once, after loading: packed weights are no longer parameters (moved ones still are).
+        A tied bf16 LM head gets its own packed copy, since the embedding lookup still needs
+        the plain table."""
         arena = dispatch.memory_arena(self.embed_tokens.device)
         for layer in self.layers:
             for name in PROJECTIONS:
