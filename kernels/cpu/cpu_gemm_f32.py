@@ -16,17 +16,18 @@ from kvfleet.kernels.cpu import cpu_library
 
 # Row counts this kernel takes from F.linear. A step's projections (30 layers + LM head) on a
 # 2-core AVX-512 host: 1.25-1.40x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.53x at 32,
-# 1.43x at 48, 1.39x at 64, 1.10x at 96 and 0.96x at 128 (rows in lanes); slower at 1-2 rows
-# (MKL's GEMV streams the weight faster) (`kvfleet bench cpu-kernels`,
-# docs/results/bench-cpu-kernels-float32.json). Whole forwards of an offline run's steps
-# (`kvfleet bench gemm-rows --dtype float32`, which moves the fused decode step's limit with it):
-# limits 3 / 64 / 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on 110 of
-# the 117 steps of 65-255 rows (docs/results/bench-gemm-rows-float32-offline.json).
-MIN_ROWS, MAX_ROWS = 4, 128
-# Built for AVX2 it takes single rows too: MKL limited to AVX2 streamed the bundled model's
-# weights at 13 GB/s at one row (41.7 ms a forward), slower than this kernel at four rows
-# (26.2 ms) (`bench latency --dtype float32` with both built for AVX2 on a Zen 4 host).
-AVX2_MIN_ROWS = 1
+# 1.43x at 48, 1.39x at 64, 1.10x at 96 and 0.96x at 128 (rows in lanes) (`kvfleet bench
+# cpu-kernels`, docs/results/bench-cpu-kernels-float32.json). Whole forwards of an offline run's
+# steps (`kvfleet bench gemm-rows --dtype float32`, which moves the fused decode step's limit
+# with it): limits 3 / 64 / 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on
+# 110 of the 117 steps of 65-255 rows (docs/results/bench-gemm-rows-float32-offline.json).
+# 1-3 rows stayed on MKL's GEMV on that (Intel) host, which streamed the weight faster than the
+# dot form did while it read NR weight rows side by side; it reads them one after the other
+# now, at the rate a plain read of the same bytes gets (34-38 GB/s on a 2-core Zen 4, where
+# MKL took 2.9x longer at one row and 5.7x at two and three; AVX2 builds likewise: MKL held to
+# AVX2 streamed the weights at 13 GB/s at one row). So every row count from one takes it, and
+# with it the fused decode step.
+MIN_ROWS, MAX_ROWS = 1, 128
 
 
 def lanes() -> int:
@@ -49,9 +50,9 @@ def available() -> bool:
 
 
 def min_rows() -> int:
-    """The fewest rows the kernel takes here (fewer stay on F.linear): MIN_ROWS on AVX-512,
-    AVX2_MIN_ROWS on AVX2."""
-    return AVX2_MIN_ROWS if lanes() == 8 else MIN_ROWS
+    """The fewest rows the kernel takes (fewer stay on F.linear): MIN_ROWS, on AVX-512 and
+    AVX2 alike."""
+    return MIN_ROWS
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

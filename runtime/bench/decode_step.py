@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 # bf16: up to cpu_gemm.max_rows() sequences (AMX 1024, AVX512-BF16 fewer); float32:
 # cpu_gemm_f32.min_rows() to MAX_ROWS.
-DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "4,8,32,128"}
+DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "1,8,32,128"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -92,13 +92,14 @@ def test_dispatch_routes_decode_sized_float32_steps(monkeypatch):
     calls = record_rows(monkeypatch, cpu_gemm_f32, "linear")
     w = torch.randn(64, 32)
     lo, hi = cpu_gemm_f32.MIN_ROWS, cpu_gemm_f32.MAX_ROWS
-    for rows in (lo - 1, lo, hi, hi + 1):
+    assert lo == 1  # a single sequence's decode step too
+    for rows in (lo, 2, 3, hi, hi + 1):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
-    assert calls == [lo, hi]  # one row and past MAX_ROWS stay on F.linear
+    assert calls == [lo, 2, 3, hi]  # past MAX_ROWS stays on F.linear
     dispatch.linear(torch.randn(8, 32).to(torch.bfloat16), w.to(torch.bfloat16))
     dispatch.linear(torch.randn(8, 32), w.t().contiguous().t())  # a transposed weight view
-    assert calls == [lo, hi]
+    assert calls == [lo, 2, 3, hi]  # neither a bf16 step nor a strided weight goes to it
 
 
 def test_disabled_kernels_keep_f_linear(monkeypatch):

@@ -16,9 +16,8 @@ def _kernels_on(monkeypatch):
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
 
 
-# bf16 on cpu_gemm (AMX or AVX512-BF16) from one sequence; float32 on AVX-512 from
-# cpu_gemm_f32.MIN_ROWS (4).
-@pytest.mark.parametrize("dtype,sequences", [("bfloat16", [1, 3]), ("float32", [4, 40])])
+# bf16 on cpu_gemm (AMX or AVX512-BF16) and float32 on cpu_gemm_f32, from one sequence.
+@pytest.mark.parametrize("dtype,sequences", [("bfloat16", [1, 3]), ("float32", [1, 40])])
 def test_times_both_paths_at_each_batch_size(
     dtype: str, sequences: list[int], tiny_llama_dir: Path, tmp_path: Path, capsys
 ):
@@ -51,7 +50,6 @@ def test_bad_flags_are_named(tiny_llama_dir: Path, flags: list[str], capsys):
     "dtype,n",
     [
         ("bfloat16", "past the limit"),
-        ("float32", cpu_gemm_f32.MIN_ROWS - 1),
         ("float32", cpu_gemm_f32.MAX_ROWS + 1),
     ],
 )
