@@ -131,6 +131,23 @@ static inline void scores16(float *score, const float *restrict q, const float *
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* scores16's AVX2 form: score[0..7] = q · k[t] for 8 rows of k (d a multiple of 8). Per key,
+ * `dot` ends in a serial chain of 8 scalar adds; here one transpose-and-add tree (reduce8)
+ * sums 8 keys at once. */
+static inline void scores8(float *score, const float *restrict q, const float *restrict k,
+                           int d) {
+    __m256 v[8];
+    for (int t = 0; t < 8; t++) v[t] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(q + i);
+        for (int t = 0; t < 8; t++)
+            v[t] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + (size_t)t * d + i), v[t]);
+    }
+    _mm256_storeu_ps(score, reduce8(v));
+}
+#endif
+
 /* score[t] = q · k[t] for the n valid rows of a block of block_size rows (row stride d). */
 static inline void block_scores(float *score, const float *restrict q, const float *restrict k,
                                 int n, int block_size, int d) {
@@ -138,6 +155,11 @@ static inline void block_scores(float *score, const float *restrict q, const flo
     if (block_size % 16 == 0) {
         /* Whole groups of 16 rows: they lie inside the block even past row n. */
         for (int t = 0; t < n; t += 16) scores16(score + t, q, k + (size_t)t * d, d);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (block_size % 8 == 0) { /* as above, in groups of 8 */
+        for (int t = 0; t < n; t += 8) scores8(score + t, q, k + (size_t)t * d, d);
         return;
     }
 #else

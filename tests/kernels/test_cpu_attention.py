@@ -70,8 +70,8 @@ def test_amx_path_where_the_cpu_has_it():
     ids=[f"b{c[0]}-kvh{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}-{str(c[5])[6:]}" for c in CASES],
 )
 def test_decode_matches_reference_and_dense(
-    poison_allocations, monkeypatch, amx, batch, kv_heads, ratio, head_dim, block_size, dtype,
-    max_len,
+    poison_allocations, monkeypatch, either_build, amx, batch, kv_heads, ratio, head_dim,
+    block_size, dtype, max_len,
 ):  # fmt: skip
     monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
     case, lens, args = make_inputs(
@@ -222,7 +222,9 @@ LONG_LENS = [1025, 2048, 2600, 1024, 5, 3073]
 @pytest.mark.parametrize(
     "dtype,block_size", [(F32, 16), (BF16, 16), (BF16, 32), (F32, 8), (torch.float8_e4m3fn, 16)]
 )
-def test_long_contexts_split_then_combined_match_dense(monkeypatch, amx, dtype, block_size):
+def test_long_contexts_split_then_combined_match_dense(
+    monkeypatch, either_build, amx, dtype, block_size
+):
     monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
     gen = torch.Generator().manual_seed(11)
     case = paged_case(gen, LONG_LENS, block_size, 2, 64, BF16 if dtype.itemsize == 1 else dtype)
