@@ -116,50 +116,37 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
     return hsum(acc);
 }
 
+/* score[0..W) = q · k[t] for W rows of k (row stride d, d a multiple of W): the W keys'
+ * partial sums stay in vectors and one transpose-and-add tree (REDUCE) sums them all, where
+ * per key `dot` ends in a serial chain of scalar adds (on AVX2 that chain took half of a decode
+ * step's attention). One body for both vector widths. */
+#define DEFINE_SCORE_KEYS(W, VEC, MM, REDUCE)                                                  \
+    static inline void score_keys(float *score, const float *restrict q,                      \
+                                  const float *restrict k, int d) {                            \
+        VEC v[W];                                                                              \
+        for (int t = 0; t < W; t++) v[t] = MM##_setzero_ps();                                  \
+        for (int i = 0; i < d; i += W) {                                                       \
+            const VEC qi = MM##_loadu_ps(q + i);                                               \
+            for (int t = 0; t < W; t++)                                                        \
+                v[t] = MM##_fmadd_ps(qi, MM##_loadu_ps(k + (size_t)t * d + i), v[t]);          \
+        }                                                                                      \
+        MM##_storeu_ps(score, REDUCE(v));                                                      \
+    }
 #ifdef __AVX512F__
-/* score[0..15] = q · k[t] for 16 rows of k (row stride d, d a multiple of 16). */
-static inline void scores16(float *score, const float *restrict q, const float *restrict k,
-                            int d) {
-    __m512 v[16];
-    for (int t = 0; t < 16; t++) v[t] = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 16) {
-        const __m512 qi = _mm512_loadu_ps(q + i);
-        for (int t = 0; t < 16; t++)
-            v[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(k + (size_t)t * d + i), v[t]);
-    }
-    _mm512_storeu_ps(score, reduce16(v));
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* scores16's AVX2 form: score[0..7] = q · k[t] for 8 rows of k (d a multiple of 8). Per key,
- * `dot` ends in a serial chain of 8 scalar adds; here one transpose-and-add tree (reduce8)
- * sums 8 keys at once. */
-static inline void scores8(float *score, const float *restrict q, const float *restrict k,
-                           int d) {
-    __m256 v[8];
-    for (int t = 0; t < 8; t++) v[t] = _mm256_setzero_ps();
-    for (int i = 0; i < d; i += 8) {
-        const __m256 qi = _mm256_loadu_ps(q + i);
-        for (int t = 0; t < 8; t++)
-            v[t] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + (size_t)t * d + i), v[t]);
-    }
-    _mm256_storeu_ps(score, reduce8(v));
-}
+#define SCORE_KEYS 16
+DEFINE_SCORE_KEYS(16, __m512, _mm512, reduce16)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SCORE_KEYS 8
+DEFINE_SCORE_KEYS(8, __m256, _mm256, reduce8)
 #endif
 
 /* score[t] = q · k[t] for the n valid rows of a block of block_size rows (row stride d). */
 static inline void block_scores(float *score, const float *restrict q, const float *restrict k,
                                 int n, int block_size, int d) {
-#ifdef __AVX512F__
-    if (block_size % 16 == 0) {
-        /* Whole groups of 16 rows: they lie inside the block even past row n. */
-        for (int t = 0; t < n; t += 16) scores16(score + t, q, k + (size_t)t * d, d);
-        return;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (block_size % 8 == 0) { /* as above, in groups of 8 */
-        for (int t = 0; t < n; t += 8) scores8(score + t, q, k + (size_t)t * d, d);
+#ifdef SCORE_KEYS
+    if (block_size % SCORE_KEYS == 0) {
+        /* Whole groups of SCORE_KEYS rows: they lie inside the block even past row n. */
+        for (int t = 0; t < n; t += SCORE_KEYS) score_keys(score + t, q, k + (size_t)t * d, d);
         return;
     }
 #else
