@@ -78,26 +78,36 @@ def test_a_failed_reconcile_is_retried_with_doubling_delays_until_it_succeeds(ma
     assert 0.05 <= calls[5][1] - calls[4][1] < 0.1 + 0.05
 
 
-def test_an_event_during_a_reconcile_runs_it_again(make_queue):
+def test_an_event_during_a_reconcile_runs_it_again_after_it(make_queue):
     entered, release = threading.Event(), threading.Event()
-    calls: list[float] = []
+    calls: list[str] = []
+    lock = threading.Lock()
 
     def work(namespace: str, name: str) -> None:
-        calls.append(time.monotonic())
-        if len(calls) == 1:
+        with lock:
+            calls.append(f"start {name}")
+            first = len(calls) == 1
+        if first:
             entered.set()
             release.wait(5)
+        with lock:
+            calls.append(f"end {name}")
 
-    queue = make_queue(work)
+    queue = make_queue(work, workers=4)
     queue.start()
     queue.add("default", "chat")
     assert entered.wait(5)
     queue.add("default", "chat")  # the reconcile under way may have read the child before this
-    release.set()
+    queue.add("default", "other")  # another owner does not wait for it
     deadline = time.monotonic() + 5
-    while len(calls) < 2 and time.monotonic() < deadline:
+    while "end other" not in calls and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(calls) == 2
+    time.sleep(0.1)
+    assert calls == ["start chat", "start other", "end other"]  # chat's second run waits
+    release.set()
+    while len(calls) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls[3:] == ["end chat", "start chat", "end chat"]
 
 
 def test_a_deleted_owners_retry_is_dropped(make_queue):
