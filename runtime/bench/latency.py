@@ -10,8 +10,11 @@ machine sets, measured in the same run.
   the prompt's FLOPs (projections, causal attention, one row of logits) divided by the GEMM
   rate this command measures (the same one MFU divides by in `bench throughput`).
 
-Rates are measured at both ends of the run and the higher one counts, so a bound is never
-flattered by a slow phase of a shared host. Every figure names the kernel path that produced it
+Rates are measured at both ends of the run, and the read rate also just before and after each
+decode row; the highest of them counts, so a bound is never flattered by a slow phase of a
+shared host. Each decode row also reports its step against the read rate probed beside it
+(`ratio_to_beside_bound`): where the host's memory speed changes within minutes, the state
+that row ran in. Every figure names the kernel path that produced it
 (AMX, AVX512-BF16, AVX-512 float32, AVX2 or torch) and whether decode steps ran the fused
 one-call step; the host's CPU flags are reported with them.
 
@@ -96,6 +99,11 @@ class DecodeRow:
     other_median_ms: float
     bound_ms: float  # weight bytes / read rate
     ratio_to_bound: float
+    # The read rate probed just before and after this row (the better of the two) and the
+    # step over the bound at that rate: on a host whose memory speed changes within minutes,
+    # the state this row ran in. The run's read rate (bound_ms) is the best of every probe.
+    read_rate_beside: float
+    ratio_to_beside_bound: float
     over_one_sequence: float | None  # this step's median / the 1-sequence step's
     gemm_path: str  # the kernel running the step's projections
     fused_steps: int  # timed steps that ran as one call (CPU: the fused C step; GPU: a graph)
@@ -162,18 +170,28 @@ def prefill_flops(mc: Any, tokens: int) -> int:
     return 2 * (mc.num_layers * (per_token * tokens + attention) + mc.vocab_size * h)
 
 
-def measure_read_rate(device: Any, nbytes: int = READ_PROBE_BYTES, repeats: int = 5) -> float:
-    """Best bytes/s of a float32 sum over `nbytes`: the rate weights can stream from memory.
-    On CPU the probe lies on the same huge-page memory as the weights (`dispatch.memory_arena`):
-    on 4 KiB pages the sum reads up to a third slower, and the bound would flatter the step."""
+def read_probe(device: Any, nbytes: int = READ_PROBE_BYTES) -> Any:
+    """The buffer `measure_read_rate` sums: on CPU on the same huge-page memory as the weights
+    (`dispatch.memory_arena`), since on 4 KiB pages the sum reads up to a third slower and the
+    bound would flatter the step."""
     import torch
     from kvfleet.kernels import dispatch
 
     arena = dispatch.memory_arena(device)
     if arena is not None:
-        x = arena.empty((nbytes // 4,), torch.float32).fill_(1.0)
-    else:
-        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        return arena.empty((nbytes // 4,), torch.float32).fill_(1.0)
+    return torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+
+def measure_read_rate(
+    device: Any, nbytes: int = READ_PROBE_BYTES, repeats: int = 5, probe: Any = None
+) -> float:
+    """Best bytes/s of a float32 sum over `nbytes` (of `probe`, else a fresh `read_probe`):
+    the rate weights can stream from memory."""
+    import torch
+
+    x = probe if probe is not None else read_probe(device, nbytes)
+    nbytes = x.numel() * 4
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass also faults the pages in
         if device.type == "cuda":
@@ -406,9 +424,12 @@ def measure(args: argparse.Namespace) -> dict:
 
     # Default path and baseline take turns per batch size and per prompt: each comparison is
     # made within seconds on a host whose speed drifts over minutes.
-    decode_raw, decode_base = [], {}
+    decode_raw, decode_base, beside = [], {}, {}
+    probe = read_probe(device)
     for n in sequences:
+        before = measure_read_rate(device, probe=probe)
         decode_raw.append((n, decode(n)))
+        beside[n] = max(before, measure_read_rate(device, probe=probe))
         if with_baseline:
             with library_gemms():
                 decode_base[n] = {**decode(n), "gemm_path": dispatch.linear_path(weight, n)}
@@ -430,9 +451,11 @@ def measure(args: argparse.Namespace) -> dict:
                 "gemm_path": path,
             }
 
-    read_last = measure_read_rate(device)
+    read_last = measure_read_rate(device, probe=probe)
+    del probe
     gemm_last = measure_matmul_flops(engine.dtype, device)
-    read_rate, gemm_rate = max(read_first, read_last), max(gemm_first, gemm_last)
+    read_rate = max(read_first, read_last, *beside.values())
+    gemm_rate = max(gemm_first, gemm_last)
     bound_ms = weight_bytes / read_rate * 1e3
 
     one = next((r["step_median_ms"] for n, r in decode_raw if n == 1), None)
@@ -446,6 +469,8 @@ def measure(args: argparse.Namespace) -> dict:
                 context_tokens=args.context,
                 bound_ms=bound_ms,
                 ratio_to_bound=r["step_median_ms"] / bound_ms,
+                read_rate_beside=beside[n],
+                ratio_to_beside_bound=r["step_median_ms"] / (weight_bytes / beside[n] * 1e3),
                 over_one_sequence=r["step_median_ms"] / one if one else None,
                 gemm_path=dispatch.linear_path(weight, n),
                 baseline={k: base[k] for k in keep} if base else None,
@@ -513,14 +538,15 @@ def _print(report: dict) -> None:
     )
     print(
         f"{'seqs':>5} {'ms/token':>9} {'min':>7} {'forward':>8} {'logits':>7} {'other':>6} "
-        f"{'x bound':>8} {'x 1 seq':>8} {'fused':>6}  path"
+        f"{'x bound':>8} {'(beside)':>14} {'x 1 seq':>8} {'fused':>6}  path"
     )
     for r in report["decode"]:
         over = f"{r['over_one_sequence']:.2f}" if r["over_one_sequence"] else "-"
+        near = f"{r['ratio_to_beside_bound']:.2f} @{r['read_rate_beside'] / 1e9:.0f}GB/s"
         print(
             f"{r['sequences']:>5} {r['step_median_ms']:>9.2f} {r['step_min_ms']:>7.2f} "
             f"{r['forward_median_ms']:>8.2f} {r['logits_median_ms']:>7.2f} "
-            f"{r['other_median_ms']:>6.2f} {r['ratio_to_bound']:>8.2f} {over:>8} "
+            f"{r['other_median_ms']:>6.2f} {r['ratio_to_bound']:>8.2f} {near:>14} {over:>8} "
             f"{r['fused_steps']:>3}/{r['steps']:<3} {r['gemm_path']}"
         )
         if r["baseline"]:

@@ -45,6 +45,10 @@ def test_reports_every_figure_with_its_bound_and_path(dtype, tiny_llama_dir, tmp
     assert report["weight_stream_bound_ms"] == pytest.approx(bound)
     assert [r["sequences"] for r in report["decode"]] == [1, 4]
     for r in report["decode"]:
+        # The row's own read rate, probed beside it, is one the run's best includes.
+        assert 0 < r["read_rate_beside"] <= report["read_rate_bytes_per_s"]
+        beside_bound = report["weight_bytes"] / r["read_rate_beside"] * 1e3
+        assert r["ratio_to_beside_bound"] == pytest.approx(r["step_median_ms"] / beside_bound)
         assert r["gemm_path"] in PATHS
         assert r["steps"] == 3 and r["context_tokens"] == 12
         assert 0 < r["step_min_ms"] <= r["step_median_ms"]
