@@ -8,11 +8,10 @@ that kept coming) left its status stale until some unrelated event happened, and
 `kubectl wait --for=condition=Ready` waited for nothing. Here each event adds its owner's key;
 `workers` threads reconcile the keys that are due, never one key in two threads at once, and a
 key whose reconcile fails is added again after a delay that doubles from `base_delay` to
-`max_delay` (reset by a success). A key
-already waiting is not added twice, so a burst of events for one owner (a rollout changes every
-pod several times) costs one reconcile, not one per event. An event that comes while its key
-is being reconciled adds it again, to run once that reconcile ends: it may have read the child
-before the change.
+`max_delay` (reset by a success). A key already waiting is not added twice, so a burst of
+events for one owner (a rollout changes every pod several times) costs one reconcile, not one
+per event. An event that comes while its key is being reconciled adds it again, to run once
+that reconcile ends: it may have read the child before the change.
 """
 
 from __future__ import annotations
