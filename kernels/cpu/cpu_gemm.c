@@ -52,8 +52,8 @@
  * accumulators per column block (even and odd tile rows: two dependency chains at one row) for
  * up to VECTOR_ROWS rows at a time; more rows take further passes over the unit's weight, from L2.
  * Steps of up to STREAM_MAX_ROWS rows take the unit's two blocks one after the other instead
- * (one stream per thread; see BLOCK_PASS). Every row is summed in the same order whatever the row count, so a sequence's results do not
- * depend on what else is in the batch.
+ * (one stream per thread; see DOT_BLOCKS). Every row is summed in the same order whatever the
+ * row count, so a sequence's results do not depend on what else is in the batch.
  * Measured on a 2-core Zen 4 host against the dot form on the plain weight (x and W rows both
  * contiguous along K, reduced across lanes at the end, cpu_gemm_f32.c's small-row form): 28 vs
  * 22 GB/s at 1 row, 25 vs 16 at 4; oneDNN's packed bf16 GEMM read 12-13 GB/s at 1-8 rows.
@@ -228,92 +228,62 @@ static int multiply_amx(uint16_t *a, const uint16_t *packed, const float *bias, 
 #endif
 
 #ifdef HAVE_AVX512_BF16
-/* One 32-column unit (column blocks at w0 and w0 + ksteps tiles) for `rows` <= MV rows of x
- * (row stride x_stride): per row, block and parity of the tile row, one accumulator of 16
- * columns. A macro per MV so that the accumulators are registers. */
-#define VECTOR_UNIT(MV)                                                                        \
-    static void unit_##MV(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *w0,   \
-                          int64_t ksteps, const float *bias, uint16_t *out,                    \
-                          int64_t out_stride) {                                                \
-        const uint16_t *w1 = w0 + ksteps * TILE_ELEMS, *xr[MV];                                \
+/* `rows` <= MV rows of x (row stride x_stride) against NB column blocks of 16 (the first at w,
+ * the next ksteps tiles on): per row, block and parity of the tile row, one accumulator of 16
+ * columns. A macro per (MV, NB) so that the accumulators are registers.
+ * - NB 2 (unit_MV): a 32-column unit, its two blocks read side by side, each x pair loaded once
+ *   for both.
+ * - NB 1 (block_MV): one block, its weight read as one stream. The same arithmetic per block,
+ *   so the same bits. Why: a thread that streams its units' two blocks side by side (two
+ *   streams 18 KiB apart at K 576) read 49-52 GB/s where one stream read 56-61, in the host's
+ *   fast phases; a decode step's 120 projections and LM head at 1-4 rows took 16-22% less time
+ *   then, 2-6% less in its slow phases (alternating runs in one process, 2-core Zen 4). Steps
+ *   of more than STREAM_MAX_ROWS rows keep units: at 6 and 8 rows (compute, not memory, sets
+ *   the pace there) block passes took 2-13% and 7-30% longer. */
+#define DOT_BLOCKS(NAME, MV, NB)                                                               \
+    static void NAME(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *w,         \
+                     int64_t ksteps, const float *bias, uint16_t *out, int64_t out_stride) {   \
+        const uint16_t *xr[MV];                                                                \
         for (int i = 0; i < MV; i++) xr[i] = x + (i < rows ? i : rows - 1) * x_stride;         \
-        __m512 even0[MV], odd0[MV], even1[MV], odd1[MV];                                       \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MV; i++) even0[i] = odd0[i] = even1[i] =   \
-            odd1[i] = _mm512_setzero_ps();                                                     \
+        __m512 even[NB][MV], odd[NB][MV];                                                      \
+        _Pragma("GCC unroll 2") for (int b = 0; b < NB; b++)                                   \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MV; i++) even[b][i] = odd[b][i] =      \
+                _mm512_setzero_ps();                                                           \
         for (int64_t kt = 0; kt < ksteps; kt++) {                                              \
-            const uint16_t *t0 = w0 + kt * TILE_ELEMS, *t1 = w1 + kt * TILE_ELEMS;             \
             _Pragma("GCC unroll 8") for (int r = 0; r < TILE_ROWS; r += 2) {                   \
-                const __m512bh b0e = (__m512bh)_mm512_loadu_si512(t0 + r * TILE_K);            \
-                const __m512bh b1e = (__m512bh)_mm512_loadu_si512(t1 + r * TILE_K);            \
-                const __m512bh b0o = (__m512bh)_mm512_loadu_si512(t0 + (r + 1) * TILE_K);      \
-                const __m512bh b1o = (__m512bh)_mm512_loadu_si512(t1 + (r + 1) * TILE_K);      \
+                __m512bh be[NB], bo[NB];                                                       \
+                _Pragma("GCC unroll 2") for (int b = 0; b < NB; b++) {                         \
+                    const uint16_t *t = w + (b * ksteps + kt) * TILE_ELEMS;                    \
+                    be[b] = (__m512bh)_mm512_loadu_si512(t + r * TILE_K);                      \
+                    bo[b] = (__m512bh)_mm512_loadu_si512(t + (r + 1) * TILE_K);                \
+                }                                                                              \
                 _Pragma("GCC unroll 8") for (int i = 0; i < MV; i++) {                         \
                     int32_t pe, po; /* x's pairs (2r, 2r + 1) and (2r + 2, 2r + 3) */          \
                     memcpy(&pe, xr[i] + kt * TILE_K + 2 * r, sizeof pe);                       \
                     memcpy(&po, xr[i] + kt * TILE_K + 2 * r + 2, sizeof po);                   \
                     const __m512bh xe = (__m512bh)_mm512_set1_epi32(pe);                       \
                     const __m512bh xo = (__m512bh)_mm512_set1_epi32(po);                       \
-                    even0[i] = _mm512_dpbf16_ps(even0[i], b0e, xe);                            \
-                    even1[i] = _mm512_dpbf16_ps(even1[i], b1e, xe);                            \
-                    odd0[i] = _mm512_dpbf16_ps(odd0[i], b0o, xo);                              \
-                    odd1[i] = _mm512_dpbf16_ps(odd1[i], b1o, xo);                              \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        for (int i = 0; i < rows; i++) {                                                       \
-            store16(out + i * out_stride, _mm512_add_ps(even0[i], odd0[i]), bias);             \
-            store16(out + i * out_stride + TILE_COLS, _mm512_add_ps(even1[i], odd1[i]),        \
-                    bias ? bias + TILE_COLS : NULL);                                           \
-        }                                                                                      \
-    }
-VECTOR_UNIT(1)
-VECTOR_UNIT(2)
-VECTOR_UNIT(4)
-VECTOR_UNIT(6)
-
-/* One 16-column block (ksteps tiles from w) for `rows` <= MV rows: unit_MV's arithmetic for
- * one of its two blocks, so the same bits, with the weight read as one stream. Why: a thread
- * that streams its units' two blocks side by side (two streams 18 KiB apart at K 576) read
- * 49-52 GB/s where one stream read 56-61, in the host's fast phases; a decode step's 120
- * projections and LM head at 1-4 rows took 16-22% less time then, 2-6% less in its slow
- * phases (alternating runs in one process, 2-core Zen 4). Steps of more than STREAM_MAX_ROWS
- * rows keep the two-block unit, which loads each x pair once for both blocks: at 6 and 8 rows
- * (compute, not memory, sets the pace there) block passes took 2-13% and 7-30% longer. */
-#ifndef STREAM_MAX_ROWS
-#define STREAM_MAX_ROWS 4
-#endif
-#if STREAM_MAX_ROWS > 4
-#error "block passes exist for up to 4 rows"
-#endif
-#define BLOCK_PASS(MV)                                                                         \
-    static void block_##MV(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *w,   \
-                           int64_t ksteps, const float *bias, uint16_t *out,                   \
-                           int64_t out_stride) {                                               \
-        const uint16_t *xr[MV];                                                                \
-        for (int i = 0; i < MV; i++) xr[i] = x + (i < rows ? i : rows - 1) * x_stride;         \
-        __m512 even[MV], odd[MV];                                                              \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MV; i++) even[i] = odd[i] =                \
-            _mm512_setzero_ps();                                                               \
-        for (int64_t kt = 0; kt < ksteps; kt++) {                                              \
-            const uint16_t *t = w + kt * TILE_ELEMS;                                           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < TILE_ROWS; r += 2) {                   \
-                const __m512bh be = (__m512bh)_mm512_loadu_si512(t + r * TILE_K);              \
-                const __m512bh bo = (__m512bh)_mm512_loadu_si512(t + (r + 1) * TILE_K);        \
-                _Pragma("GCC unroll 8") for (int i = 0; i < MV; i++) {                         \
-                    int32_t pe, po; /* x's pairs (2r, 2r + 1) and (2r + 2, 2r + 3) */          \
-                    memcpy(&pe, xr[i] + kt * TILE_K + 2 * r, sizeof pe);                       \
-                    memcpy(&po, xr[i] + kt * TILE_K + 2 * r + 2, sizeof po);                   \
-                    even[i] = _mm512_dpbf16_ps(even[i], be, (__m512bh)_mm512_set1_epi32(pe));  \
-                    odd[i] = _mm512_dpbf16_ps(odd[i], bo, (__m512bh)_mm512_set1_epi32(po));    \
+                    _Pragma("GCC unroll 2") for (int b = 0; b < NB; b++) {                     \
+                        even[b][i] = _mm512_dpbf16_ps(even[b][i], be[b], xe);                  \
+                        odd[b][i] = _mm512_dpbf16_ps(odd[b][i], bo[b], xo);                    \
+                    }                                                                          \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
         for (int i = 0; i < rows; i++)                                                         \
-            store16(out + i * out_stride, _mm512_add_ps(even[i], odd[i]), bias);               \
+            for (int b = 0; b < NB; b++)                                                       \
+                store16(out + i * out_stride + b * TILE_COLS,                                  \
+                        _mm512_add_ps(even[b][i], odd[b][i]),                                  \
+                        bias ? bias + b * TILE_COLS : NULL);                                   \
     }
-BLOCK_PASS(1)
-BLOCK_PASS(2)
-BLOCK_PASS(4)
+DOT_BLOCKS(unit_1, 1, 2)
+DOT_BLOCKS(unit_2, 2, 2)
+DOT_BLOCKS(unit_4, 4, 2)
+DOT_BLOCKS(unit_6, 6, 2)
+DOT_BLOCKS(block_1, 1, 1)
+DOT_BLOCKS(block_2, 2, 1)
+DOT_BLOCKS(block_4, 4, 1)
+#define STREAM_MAX_ROWS 4 /* the most rows of a step that runs on block_MV */
 
 /* out = x · Wᵀ + bias on the vector engine: x [m, k] bf16 with row stride x_stride. Threads take
  * contiguous unit ranges, as in multiply_amx; each runs all rows over its unit, VECTOR_ROWS at a
@@ -333,17 +303,13 @@ static int multiply_vectors(const uint16_t *x, int64_t x_stride, const uint16_t 
             const uint16_t *xr = x + r0 * x_stride;
             uint16_t *o = out + r0 * out_stride + u * PAIR_COLS;
             if (m <= STREAM_MAX_ROWS) { /* m, not rows: later passes read from cache */
-                const uint16_t *w1 = w + ksteps * TILE_ELEMS;
-                const float *b1 = b ? b + TILE_COLS : NULL;
-                if (rows == 1) {
-                    block_1(xr, x_stride, rows, w, ksteps, b, o, out_stride);
-                    block_1(xr, x_stride, rows, w1, ksteps, b1, o + TILE_COLS, out_stride);
-                } else if (rows == 2) {
-                    block_2(xr, x_stride, rows, w, ksteps, b, o, out_stride);
-                    block_2(xr, x_stride, rows, w1, ksteps, b1, o + TILE_COLS, out_stride);
-                } else {
-                    block_4(xr, x_stride, rows, w, ksteps, b, o, out_stride);
-                    block_4(xr, x_stride, rows, w1, ksteps, b1, o + TILE_COLS, out_stride);
+                for (int blk = 0; blk < 2; blk++) { /* the unit's blocks one after the other */
+                    const uint16_t *wb = w + blk * ksteps * TILE_ELEMS;
+                    const float *bb = b ? b + blk * TILE_COLS : NULL;
+                    uint16_t *ob = o + blk * TILE_COLS;
+                    if (rows == 1) block_1(xr, x_stride, rows, wb, ksteps, bb, ob, out_stride);
+                    else if (rows == 2) block_2(xr, x_stride, rows, wb, ksteps, bb, ob, out_stride);
+                    else block_4(xr, x_stride, rows, wb, ksteps, bb, ob, out_stride);
                 }
             } else if (rows == 1) unit_1(xr, x_stride, rows, w, ksteps, b, o, out_stride);
             else if (rows == 2) unit_2(xr, x_stride, rows, w, ksteps, b, o, out_stride);
