@@ -736,9 +736,12 @@ static void attend_group_amx(AmxScratch *w, const float *query, float *out,
  * against the same code without splits): one sequence 55.6 -> 52.0 us at 2048 keys, 111.7 ->
  * 101.2 at 4096, 213.8 -> 182.3 at 8000 (in another run 20% less at 2048-4096); 2 and 8
  * sequences within +-2%. 512 keys gained up to 16% at 1024 keys alone but cost 3-6% at 4. */
-#ifndef SPLIT_KEYS
 #define SPLIT_KEYS 1024
-#endif
+
+/* A task's output rows rounded to bf16 (round to nearest even, the bits torch's .to() gives). */
+static void store_bf16(uint16_t *dst, const float *src, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
 
 static int splits_of(int len, int block_size, int whole) {
     if (whole || len <= SPLIT_KEYS || SPLIT_KEYS % block_size) return 1;
@@ -874,10 +877,8 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
 #endif
                 attend_group(&s, query, out, part, k_cache, v_cache, dtype, table, start, end,
                              kvh, group, head_dim, block_size, num_blocks, scale);
-            if (io_dtype == DTYPE_BFLOAT16 && !part) {
-                uint16_t *ob = (uint16_t *)out_io + seq * out_stride + head0;
-                for (size_t i = 0; i < gd; i++) ob[i] = f32_to_bf16(s.oio[i]);
-            }
+            if (io_dtype == DTYPE_BFLOAT16 && !part)
+                store_bf16((uint16_t *)out_io + seq * out_stride + head0, s.oio, gd);
         }
         /* (The loop's barrier:) every split's part is written. */
         if (any_split) {
@@ -890,8 +891,7 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
                 const float *own = parts + (size_t)(first_task[seq] + kvh * splits) * part_floats;
                 if (io_dtype == DTYPE_BFLOAT16) {
                     combine_splits(own, splits, group, head_dim, s.oio);
-                    uint16_t *ob = (uint16_t *)out_io + seq * out_stride + head0;
-                    for (size_t i = 0; i < gd; i++) ob[i] = f32_to_bf16(s.oio[i]);
+                    store_bf16((uint16_t *)out_io + seq * out_stride + head0, s.oio, gd);
                 } else {
                     combine_splits(own, splits, group, head_dim,
                                    (float *)out_io + seq * out_stride + head0);

@@ -18,6 +18,7 @@ tensor carved from it is freed. Where the kernel has no transparent huge pages, 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 
@@ -62,10 +63,8 @@ class HugePageArena:
         """An uninitialised contiguous tensor; ordinary memory where huge pages are off."""
         if not self._enabled:
             return torch.empty(shape, dtype=dtype)
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         if self._chunk is None or self._used + nbytes > self._size:

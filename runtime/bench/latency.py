@@ -183,15 +183,12 @@ def read_probe(device: Any, nbytes: int = READ_PROBE_BYTES) -> Any:
     return torch.ones(nbytes // 4, dtype=torch.float32, device=device)
 
 
-def measure_read_rate(
-    device: Any, nbytes: int = READ_PROBE_BYTES, repeats: int = 5, probe: Any = None
-) -> float:
-    """Best bytes/s of a float32 sum over `nbytes` (of `probe`, else a fresh `read_probe`):
-    the rate weights can stream from memory."""
+def measure_read_rate(device: Any, probe: Any, repeats: int = 5) -> float:
+    """Best bytes/s of a float32 sum over `probe` (a `read_probe`): the rate weights can stream
+    from memory."""
     import torch
 
-    x = probe if probe is not None else read_probe(device, nbytes)
-    nbytes = x.numel() * 4
+    x, nbytes = probe, probe.numel() * 4
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass also faults the pages in
         if device.type == "cuda":
@@ -407,7 +404,8 @@ def measure(args: argparse.Namespace) -> dict:
         f"device {engine.device}, dtype {engine.dtype}, threads {torch.get_num_threads()}",
         file=sys.stderr,
     )
-    read_first = measure_read_rate(device)
+    probe = read_probe(device)  # one buffer for every probe of the run
+    read_first = measure_read_rate(device, probe)
     gemm_first = measure_matmul_flops(engine.dtype, device)
     engine.warm_up()
     rng = np.random.default_rng(config.seed)
@@ -425,11 +423,10 @@ def measure(args: argparse.Namespace) -> dict:
     # Default path and baseline take turns per batch size and per prompt: each comparison is
     # made within seconds on a host whose speed drifts over minutes.
     decode_raw, decode_base, beside = [], {}, {}
-    probe = read_probe(device)
     for n in sequences:
-        before = measure_read_rate(device, probe=probe)
+        before = measure_read_rate(device, probe)
         decode_raw.append((n, decode(n)))
-        beside[n] = max(before, measure_read_rate(device, probe=probe))
+        beside[n] = max(before, measure_read_rate(device, probe))
         if with_baseline:
             with library_gemms():
                 decode_base[n] = {**decode(n), "gemm_path": dispatch.linear_path(weight, n)}
@@ -451,7 +448,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "gemm_path": path,
             }
 
-    read_last = measure_read_rate(device, probe=probe)
+    read_last = measure_read_rate(device, probe)
     del probe
     gemm_last = measure_matmul_flops(engine.dtype, device)
     read_rate = max(read_first, read_last, *beside.values())
