@@ -63,8 +63,6 @@ class OperatorConfig:
     api: KubeApi | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict, repr=False)
-    # Owners whose children changed, reconciled with retries (build_registry makes it).
-    refresh_queue: RefreshQueue | None = field(default=None, repr=False)
 
     def client(self) -> KubeApi:
         """The API client, created on first use from the environment."""
@@ -216,7 +214,8 @@ def build_registry(
     """A kopf registry holding the operator's handlers (an explicit one: tests run several)."""
     config = config or OperatorConfig()
     registry = registry or kopf.OperatorRegistry()
-    queue = config.refresh_queue = RefreshQueue(functools.partial(refresh_from_child, config))
+    # Owners whose children changed, reconciled with retries (refresh_queue.py).
+    queue = RefreshQueue(functools.partial(refresh_from_child, config))
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
