@@ -22,12 +22,23 @@
  * per-op path. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_entry_points.h"
 
-enum { OK = 0, ERR_NOMEM = 2 };
-/* A failure is reported as ((layer * STAGES) + stage) * STATUS_RANGE + the kernel's status. */
-enum { STAGE_QKV = 1, STAGE_ROTARY_CACHE, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_DOWN };
+enum { OK = 0, ERR_NOMEM = 2, ERR_TOKEN = 4 };
+/* A failure is reported as ((layer * STAGES) + stage) * STATUS_RANGE + the kernel's status;
+ * STAGE_ENDS (the embedding lookup, final norm and LM head of kvfleet_decode_logits_*) as
+ * layer 0's. */
+enum {
+    STAGE_QKV = 1,
+    STAGE_ROTARY_CACHE,
+    STAGE_ATTENTION,
+    STAGE_O,
+    STAGE_GATE_UP,
+    STAGE_DOWN,
+    STAGE_ENDS
+};
 #define STAGES 8
 #define STATUS_RANGE 16
 
@@ -176,4 +187,98 @@ int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *resi
     }
     free(buffers);
     return OK;
+}
+
+/* What a step runs besides the decoder stack, for the one call from token ids to logits: the
+ * embedding table it starts from, the final norm and the LM head it ends with. */
+typedef struct {
+    const void *embed; /* [vocab, hidden] in the model's dtype */
+    int64_t vocab;
+    const void *norm;    /* [hidden], the model's dtype */
+    const void *lm_head; /* bf16: packed by cpu_gemm.pack; float32: plain [lm_head_rows, hidden] */
+    int64_t lm_head_rows;
+} DecodeEnds;
+
+#define ENDS_FAILED(status) ((STAGE_ENDS * STATUS_RANGE) + (status))
+enum { WIDEN_MIN_ELEMS = 1 << 16 }; /* below this one thread widens the bf16 logits */
+
+/* m sequences' next-token logits (float32 [m, lm_head_rows]) from their token ids: the
+ * embedding rows, the stack's step, the final RMSNorm and the LM head, each the kernel the
+ * per-op path calls (LlamaModel.forward, then compute_logits), so the same bits. Why one call:
+ * after a step's kernels the Python and torch calls around them run from cold caches, ~1 ms a
+ * step on the 2-core host for the dozen the two-call path makes (cpu_decode_logits.py). The
+ * other arguments are kvfleet_decode_step_*'s; gemm_kernel is unused in float32. */
+static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int dtype,
+                         const int64_t *ids, int64_t m, const int64_t *positions,
+                         const int64_t *slots, const int32_t *block_tables,
+                         int64_t table_stride, const int32_t *seq_lens, float *logits,
+                         int allow_amx, int num_threads, int gemm_kernel) {
+    const int bf16 = dtype == DTYPE_BFLOAT16;
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t h = stack->hidden, n = ends->lm_head_rows;
+    for (int64_t i = 0; i < m; i++)
+        if (ids[i] < 0 || ids[i] >= ends->vocab) return ENDS_FAILED(ERR_TOKEN);
+    /* hidden and its normalised copy in the model's dtype, the float32 residual, and bf16's
+     * logits as the GEMM writes them before they widen. */
+    const size_t rows_bytes = (size_t)m * h * elem;
+    char *buffers = malloc(2 * rows_bytes + (size_t)m * h * sizeof(float) +
+                           (bf16 ? (size_t)m * n * sizeof(uint16_t) : 0));
+    if (!buffers) return ERR_NOMEM;
+    char *hidden = buffers, *normed = hidden + rows_bytes;
+    float *residual = (float *)(normed + rows_bytes);
+    uint16_t *logits_bf16 = (uint16_t *)(residual + m * h);
+    for (int64_t i = 0; i < m; i++)
+        memcpy(hidden + i * h * elem, (const char *)ends->embed + ids[i] * h * elem, h * elem);
+
+    int status =
+        bf16 ? kvfleet_decode_step_bf16(stack, (uint16_t *)hidden, residual, m, positions, slots,
+                                        block_tables, table_stride, seq_lens, allow_amx,
+                                        num_threads, gemm_kernel)
+             : kvfleet_decode_step_f32(stack, (float *)hidden, residual, m, positions, slots,
+                                       block_tables, table_stride, seq_lens, allow_amx,
+                                       num_threads);
+    if (status == OK) {
+        status = kvfleet_add_rms_norm(hidden, h, residual, 1, ends->norm, normed, m, (int)h,
+                                      stack->eps, dtype, num_threads);
+        if (status == OK && bf16)
+            status = kvfleet_linear_bf16((const uint16_t *)normed, h, PROLOGUE_NONE, NULL, 0,
+                                         NULL, 0.0f, ends->lm_head, NULL, logits_bf16, n, m, n,
+                                         h, gemm_kernel, num_threads);
+        else if (status == OK)
+            status = kvfleet_linear_f32((const float *)normed, h, ends->lm_head, NULL, logits, n,
+                                        m, n, h, num_threads);
+        if (status != OK) status = ENDS_FAILED(status);
+    }
+    if (status == OK && bf16) {
+        /* compute_logits' .float(): bf16 widens exactly, by its bits. */
+        const int64_t total = m * n;
+        const int team = total < WIDEN_MIN_ELEMS || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for schedule(static) num_threads(team)
+        for (int64_t i = 0; i < total; i++) {
+            const uint32_t bits = (uint32_t)logits_bf16[i] << 16;
+            memcpy(&logits[i], &bits, sizeof bits);
+        }
+    }
+    free(buffers);
+    return status;
+}
+
+/* kvfleet_decode_step_bf16's step from token ids (ids [m] int64) to float32 logits. */
+int kvfleet_decode_logits_bf16(const DecodeStack *stack, const DecodeEnds *ends,
+                               const int64_t *ids, int64_t m, const int64_t *positions,
+                               const int64_t *slots, const int32_t *block_tables,
+                               int64_t table_stride, const int32_t *seq_lens, float *logits,
+                               int allow_amx, int num_threads, int gemm_kernel) {
+    return decode_logits(stack, ends, DTYPE_BFLOAT16, ids, m, positions, slots, block_tables,
+                         table_stride, seq_lens, logits, allow_amx, num_threads, gemm_kernel);
+}
+
+/* kvfleet_decode_step_f32's step from token ids to float32 logits. */
+int kvfleet_decode_logits_f32(const DecodeStack *stack, const DecodeEnds *ends,
+                              const int64_t *ids, int64_t m, const int64_t *positions,
+                              const int64_t *slots, const int32_t *block_tables,
+                              int64_t table_stride, const int32_t *seq_lens, float *logits,
+                              int allow_amx, int num_threads) {
+    return decode_logits(stack, ends, DTYPE_FLOAT32, ids, m, positions, slots, block_tables,
+                         table_stride, seq_lens, logits, allow_amx, num_threads, 0);
 }

@@ -51,6 +51,10 @@ _STAGES = {
 }
 _NUM_STAGES, _STATUS_RANGE = 8, 16
 _ROTARY_STAGE, _ERR_POSITION, _ERR_SLOT = 2, 2, 3
+# The one-call step's own stage (cpu_decode_logits: embedding, final norm, LM head) and the
+# status of a token id outside the embedding table.
+_ENDS_STAGE = 7
+TOKEN_STATUS = _ENDS_STAGE * _STATUS_RANGE + 4
 
 
 class _Layer(ctypes.Structure):
@@ -167,17 +171,26 @@ class DecodeStack:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_position = cos_sin_cache.shape[0]
 
-    def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether this step runs here: only decodes, as many as the per-op path would run on
-        the same GEMM kernel (`cpu_gemm.max_rows()` in bf16, `cpu_gemm_f32.min_rows()` to
-        `MAX_ROWS` in float32), so that fused and per-op give the same bits."""
+    @property
+    def c_struct(self) -> ctypes.Structure:
+        """The DecodeStack struct the C calls take (by reference)."""
+        return self._stack
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether a decode step of `rows` sequences runs here: as many as the per-op path would
+        run on the same GEMM kernel (`cpu_gemm.max_rows()` in bf16, `cpu_gemm_f32.min_rows()`
+        to `MAX_ROWS` in float32), so that fused and per-op give the same bits."""
         if self.dtype == _BF16:
             lo, hi = 1, cpu_gemm.max_rows()
         else:
             lo, hi = cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
+        return lo <= rows <= hi
+
+    def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
+        """Whether this step runs here: only decodes, as many as `takes_rows`."""
         return (
             ENABLED
-            and lo <= rows <= hi
+            and self.takes_rows(rows)
             and meta.num_decodes == rows == meta.num_seqs
             and meta.block_tables.dtype == torch.int32
             and meta.block_tables.stride(-1) == 1
@@ -222,10 +235,11 @@ class DecodeStack:
         else:
             status = lib.kvfleet_decode_step_f32(*args)
         if status != 0:
-            self._raise(status)
+            self.raise_status(status)
         return hidden, residual
 
-    def _raise(self, status: int) -> None:
+    def raise_status(self, status: int) -> None:
+        """Raise the error a failed C step's status code describes."""
         code, stage = status % _STATUS_RANGE, status // _STATUS_RANGE
         layer, stage = divmod(stage, _NUM_STAGES)
         if stage == _ROTARY_STAGE and code == _ERR_POSITION:
@@ -235,6 +249,10 @@ class DecodeStack:
             raise IndexError(f"reshape_and_cache: a slot is past the cache ({capacity})")
         if stage == 0:
             raise MemoryError("decode step: out of memory for its activations")
+        if stage == _ENDS_STAGE:
+            raise RuntimeError(
+                f"decode step: the final RMSNorm or LM head failed with status {code}"
+            )
         raise RuntimeError(
             f"decode step: layer {layer}'s {_STAGES.get(stage, stage)} kernel failed with "
             f"status {code}"

@@ -1,12 +1,14 @@
 """`kvfleet bench decode-step`: one decode step of the model, run op by op (six kernel calls per
-layer from Python) and as one fused C call (`kvfleet.kernels.cpu.cpu_decode_step`), at several
-batch sizes, in one run.
+layer from Python), with the decoder stack as one fused C call (`kvfleet.kernels.cpu.
+cpu_decode_step`; the embedding, final norm and LM head still from Python), and as one call
+from token ids to logits (`cpu_decode_logits`, what the engine runs for decode steps of up to
+16 sequences), at several batch sizes, in one run.
 
-Each batch size first checks that the two give the same hidden states to the bit (both run
-every projection on the same GEMM kernel: `cpu_gemm` in bfloat16, `cpu_gemm_f32` in float32), then
-times them alternately: what a step costs with the fused call and without it. Times are the
-minimum and median over `--iters` steps each, logits included. CPU only; `--dtype auto` is the
-CPU's default (bfloat16 where it is native, else float32).
+Each batch size first checks that the three give the same logits to the bit (all run every
+projection on the same GEMM kernel: `cpu_gemm` in bfloat16, `cpu_gemm_f32` in float32), then
+times them in turns. Times are the minimum and median over `--iters` steps each, logits
+included. CPU only; `--dtype auto` is the CPU's default (bfloat16 where it is native, else
+float32).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class StepRow:
     fused_min_ms: float
     fused_median_ms: float
     speedup_median: float  # per-op median over fused median
+    one_call_min_ms: float
+    one_call_median_ms: float
+    one_call_speedup_median: float  # fused (two calls) median over one-call median
 
 
 def _parse_sequences(text: str) -> list[int]:
@@ -107,38 +112,55 @@ class _Batch:
         self.ids = torch.randint(0, config.vocab_size, (sequences,), generator=gen)
         self.positions = torch.full((sequences,), context, dtype=torch.long)
         self.net = net
+        # The one-call step's inputs: the same step as Python lists.
+        self.lists = (
+            self.ids.tolist(), self.positions.tolist(), slots.tolist(), lens, tables.tolist(),
+        )  # fmt: skip
+        self.one_call = net.decode_logits_for(self.kv, sequences, per_seq)
 
     def step(self):
         """The step's final hidden states and logits (K/V rewritten to the same slots)."""
         hidden = self.net(self.ids, self.positions, self.kv, self.meta)
         return hidden, self.net.compute_logits(hidden)
 
+    def step_one_call(self):
+        """The step's logits from the one call."""
+        return self.one_call.run(*self.lists)
+
 
 def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
-    """Check the two paths give the same bits, then time them alternately."""
+    """Check the three paths give the same bits, then time them in turns."""
     from kvfleet.kernels.cpu import cpu_decode_step
 
     cpu_decode_step.ENABLED = True
     fused, _ = batch.step()
+    one_call_logits = batch.step_one_call().clone()
     cpu_decode_step.ENABLED = False
-    per_op, _ = batch.step()
+    per_op, per_op_logits = batch.step()
     if not torch.equal(fused, per_op):
         raise RuntimeError(f"fused decode step at {n} sequences: not the per-op bits")
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(2 * iters):
-        cpu_decode_step.ENABLED = i % 2 == 0
+    if not torch.equal(one_call_logits, per_op_logits):
+        raise RuntimeError(f"one-call decode step at {n} sequences: not the per-op logits")
+    paths = ("per-op", "fused", "one call")
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    for i in range(len(paths) * iters):
+        path = paths[i % len(paths)]
+        cpu_decode_step.ENABLED = path != "per-op"
         start = time.perf_counter()
-        batch.step()
-        times[i % 2 == 0].append((time.perf_counter() - start) * 1e3)
-    per_op_median, fused_median = statistics.median(times[False]), statistics.median(times[True])
+        batch.step_one_call() if path == "one call" else batch.step()
+        times[path].append((time.perf_counter() - start) * 1e3)
+    medians = {p: statistics.median(t) for p, t in times.items()}
     return StepRow(
         sequences=n,
         context_tokens=context,
-        per_op_min_ms=min(times[False]),
-        per_op_median_ms=per_op_median,
-        fused_min_ms=min(times[True]),
-        fused_median_ms=fused_median,
-        speedup_median=per_op_median / fused_median,
+        per_op_min_ms=min(times["per-op"]),
+        per_op_median_ms=medians["per-op"],
+        fused_min_ms=min(times["fused"]),
+        fused_median_ms=medians["fused"],
+        speedup_median=medians["per-op"] / medians["fused"],
+        one_call_min_ms=min(times["one call"]),
+        one_call_median_ms=medians["one call"],
+        one_call_speedup_median=medians["fused"] / medians["one call"],
     )
 
 
@@ -170,7 +192,7 @@ def measure(model: str, sequences: list[int], context: int, iters: int, dtype_na
                 batch = None
                 if lo <= n <= hi:
                     batch = _Batch(torch, net, config, n, context, dtype)
-                if batch is None or net.decode_stack_for(batch.kv) is None:
+                if batch is None or batch.one_call is None:
                     needs = (
                         "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
                     ) + f" and {lo} to {hi} sequences"
@@ -217,13 +239,18 @@ def run(args: argparse.Namespace) -> int:
         f"model {report['model']} ({report['dtype']}), {report['threads']} threads; "
         "decode step, ms (min / median)"
     )
-    print(f"{'seqs':>5} {'context':>8} {'per-op':>16} {'fused':>16} {'speedup':>8}")
+    print(
+        f"{'seqs':>5} {'context':>8} {'per-op':>16} {'fused':>16} {'speedup':>8} "
+        f"{'one call':>16} {'over fused':>10}"
+    )
     for r in report["rows"]:
         print(
             f"{r['sequences']:>5} {r['context_tokens']:>8} "
             f"{r['per_op_min_ms']:>7.2f} / {r['per_op_median_ms']:>6.2f} "
             f"{r['fused_min_ms']:>7.2f} / {r['fused_median_ms']:>6.2f} "
-            f"{r['speedup_median']:>7.2f}x"
+            f"{r['speedup_median']:>7.2f}x "
+            f"{r['one_call_min_ms']:>7.2f} / {r['one_call_median_ms']:>6.2f} "
+            f"{r['one_call_speedup_median']:>9.2f}x"
         )
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:

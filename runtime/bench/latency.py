@@ -202,9 +202,10 @@ def measure_read_rate(device: Any, probe: Any, repeats: int = 5) -> float:
 
 
 class _Probe:
-    """Wraps the model's forward and LM head, the fused decode step and the CUDA-graph replay
-    of one engine to time each step's parts; `close` puts them back. On a GPU each part is
-    timed to its end (synchronised), not to the return of its launches."""
+    """Wraps the model's forward and LM head, the fused decode step, the one-call CPU step and
+    the CUDA-graph replay of one engine to time each step's parts; `close` puts them back. On a
+    GPU each part is timed to its end (synchronised), not to the return of its launches. A
+    one-call step (token ids to logits) counts as fused and as forward: its LM head is in it."""
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.times = engine, _StepTimes()
@@ -226,19 +227,23 @@ class _Probe:
 
             return wrapper
 
+        def counted(fn: Any) -> Any:
+            def wrapper(*args: Any) -> Any:
+                times.fused += 1
+                return fn(*args)
+
+            return wrapper
+
         model.forward = timed(self._forward, times.forward)
         model.compute_logits = timed(self._logits, times.logits)
         # A fused decode step, on CPU one C call and on a GPU one graph replay, is counted.
-        self._one_call = self._stack if self._stack is not None else self._graphs
-        if self._one_call is not None:
-            self._run = self._one_call.run
-            run = timed(self._run, times.forward) if self._graphs is not None else self._run
-
-            def fused_run(*args: Any) -> Any:
-                times.fused += 1
-                return run(*args)
-
-            self._one_call.run = fused_run
+        self._wrapped = [self._stack if self._stack is not None else self._graphs]
+        if self._wrapped[0] is not None:
+            run = self._wrapped[0].run
+            self._wrapped[0].run = counted(timed(run, times.forward) if self._graphs else run)
+        self._wrapped.append(engine.runner.one_call_step())
+        if self._wrapped[1] is not None:
+            self._wrapped[1].run = counted(timed(self._wrapped[1].run, times.forward))
 
     def reset(self) -> None:
         self.times.forward.clear()
@@ -248,8 +253,9 @@ class _Probe:
     def close(self) -> None:
         model = self.engine.model
         del model.forward, model.compute_logits  # the class's methods again
-        if self._one_call is not None:
-            del self._one_call.run
+        for one_call in self._wrapped:
+            if one_call is not None:
+                del one_call.run
 
 
 def _synchronizer(device: Any) -> Any:

@@ -145,6 +145,7 @@ class LLMEngine:
             self.workers,
             graph_max_batch=config.max_num_seqs if graphs else 0,
             max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.counters = EngineCounters()

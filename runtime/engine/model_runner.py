@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -19,6 +19,10 @@ from kvfleet.runtime.models.config import ModelConfig
 # Prompt logprobs turn hidden rows into full-vocabulary logits; this many at a time bounds the
 # memory that costs (a long prompt chunk times a large vocabulary would not fit otherwise).
 PROMPT_LOGITS_ROWS = 256
+# The one-call CPU decode step keeps a float32 logits buffer of this many rows: its gain, a
+# millisecond of Python and torch calls a step, matters where steps are short (few sequences);
+# larger steps keep the two-call path and allocate their logits per step.
+ONE_CALL_MAX_ROWS = 16
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -132,7 +136,8 @@ class ModelRunner:
         device: torch.device,
         workers: StepBroadcaster | None = None,  # the other tensor-parallel ranks, if any
         graph_max_batch: int = 0,  # capture decode steps up to this batch (0: no graphs)
-        max_model_len: int = 0,  # the longest context a graph must serve
+        max_model_len: int = 0,  # the longest context a graph or one-call step must serve
+        max_num_seqs: int = 0,  # the most sequences a step holds (for the one-call step)
     ) -> None:
         self.model = model
         self.kv = kv
@@ -152,6 +157,16 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, self.kv_caches, graph_max_batch, max_model_len, kv.block_size, device
                 )
+        # On CPU a decode-only step goes from token ids to logits in one C call where the
+        # model offers one (cpu_decode_logits: the same bits, without the torch calls around
+        # the fused stack, which run from cold caches after it). Not for tensor parallelism.
+        # (most sequences, most blocks) it serves; None turns it off (a benchmark that wraps
+        # the model's forward needs every step to go through it).
+        self.one_call_shape: tuple[int, int] | None = (
+            (min(max_num_seqs, ONE_CALL_MAX_ROWS), -(-max_model_len // kv.block_size))
+            if device.type == "cpu" and workers is None and max_num_seqs and max_model_len
+            else None
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -201,6 +216,10 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
 
         max_blocks = max(len(t) for t in tables)
+        one_call = self.one_call_step() if num_decodes == len(order) and not prompt_spans else None
+        if one_call is not None and one_call.accepts(num_decodes, max_blocks):
+            logits = one_call.run(input_ids, positions, slots, seq_lens, tables)
+            return StepLogits(sample_rows, logits, [])
         table = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for row, t in enumerate(tables):
             table[row, : len(t)] = t
@@ -232,6 +251,16 @@ class ModelRunner:
             return StepLogits([], torch.empty(0), prompt_logprobs)
         logits = next_logits()
         return StepLogits(sample_rows, logits, prompt_logprobs)
+
+    def one_call_step(self) -> Any:
+        """The model's one-call CPU decode step (`decode_logits_for`) for this runner's
+        caches and step sizes, or None where there is none."""
+        if self.one_call_shape is None:
+            return None
+        decode_logits_for = getattr(self.model, "decode_logits_for", None)
+        if decode_logits_for is None:
+            return None
+        return decode_logits_for(self.kv_caches, *self.one_call_shape)
 
     def _prompt_logprobs(
         self, next_logits: Callable[[], torch.Tensor], span: _PromptSpan

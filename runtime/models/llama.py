@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_decode_step
+from kvfleet.kernels.cpu import cpu_decode_logits, cpu_decode_step
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.models.config import ModelConfig
@@ -156,6 +156,10 @@ class LlamaModel(nn.Module):
         # The fused decode step for the caches it was built for (`decode_stack_for`).
         self._stack_caches: list | None = None
         self._stack: cpu_decode_step.DecodeStack | None = None
+        # The one-call step from token ids to logits over that stack (`decode_logits_for`),
+        # and the (stack, max_rows, max_blocks) it was built for.
+        self._one_call: cpu_decode_logits.DecodeLogits | None = None
+        self._one_call_key: tuple | None = None
 
     def prepack(self) -> None:
         """Swap every projection weight and the LM head for the layout `dispatch.linear` runs
@@ -169,7 +173,8 @@ class LlamaModel(nn.Module):
             for name in PROJECTIONS:
                 _prepack(layer, name, arena)
         _prepack(self, "lm_head", arena)
-        self._stack_caches = self._stack = None  # weights moved: build it afresh
+        # Weights moved: build the fused steps afresh.
+        self._stack_caches = self._stack = self._one_call = self._one_call_key = None
 
     def decode_stack_for(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -205,6 +210,22 @@ class LlamaModel(nn.Module):
             self._stack = dispatch.decode_stack(layers, kv_caches, self.cos_sin_cache, shape)
             self._stack_caches = kv_caches
         return self._stack
+
+    def decode_logits_for(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, max_blocks: int
+    ) -> cpu_decode_logits.DecodeLogits | None:
+        """The one-call decode step from token ids to logits (`forward` then `compute_logits`
+        for a decode-only step, the same bits) over these caches, for steps of up to `max_rows`
+        sequences of up to `max_blocks` blocks; None where the fused stack does not apply."""
+        stack = self.decode_stack_for(kv_caches)
+        if stack is None:
+            return None
+        if self._one_call_key != (stack, max_rows, max_blocks):
+            self._one_call_key = (stack, max_rows, max_blocks)
+            self._one_call = cpu_decode_logits.build(
+                stack, self.embed_tokens, self.norm, self.lm_head, max_rows, max_blocks
+            )
+        return self._one_call
 
     def forward(
         self,

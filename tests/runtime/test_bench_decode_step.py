@@ -1,5 +1,6 @@
-"""`kvfleet bench decode-step` times a decode step op by op and fused, after checking the two
-give the same bits, and refuses bad flags or a machine without the fused call by name."""
+"""`kvfleet bench decode-step` times a decode step op by op, fused and in one call, after
+checking the three give the same bits, and refuses bad flags or a machine without the fused
+call by name."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _kernels_on(monkeypatch):
 
 # bf16 on cpu_gemm (AMX or AVX512-BF16) and float32 on cpu_gemm_f32, from one sequence.
 @pytest.mark.parametrize("dtype,sequences", [("bfloat16", [1, 3]), ("float32", [1, 40])])
-def test_times_both_paths_at_each_batch_size(
+def test_times_every_path_at_each_batch_size(
     dtype: str, sequences: list[int], tiny_llama_dir: Path, tmp_path: Path, capsys
 ):
     if not (cpu_gemm if dtype == "bfloat16" else cpu_gemm_f32).available():
@@ -35,7 +36,10 @@ def test_times_both_paths_at_each_batch_size(
         assert r["context_tokens"] == 20
         assert 0 < r["per_op_min_ms"] <= r["per_op_median_ms"]
         assert 0 < r["fused_min_ms"] <= r["fused_median_ms"]
-    assert "speedup" in capsys.readouterr().out
+        assert 0 < r["one_call_min_ms"] <= r["one_call_median_ms"]
+        assert r["one_call_speedup_median"] > 0
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "one call" in printed
     assert cpu_decode_step.ENABLED is True  # the command puts its switches back
 
 

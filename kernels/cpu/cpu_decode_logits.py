@@ -1,0 +1,156 @@
+"""A decode step from token ids to logits in one C call (cpu_decode_step.c's
+kvfleet_decode_logits_*): the embedding lookup, the fused decoder stack (cpu_decode_step), the
+final RMSNorm and the LM head, each the kernel the two-call path runs (the model's `forward`,
+then `compute_logits`), so the same bits.
+
+Why: after a step's kernels have streamed the weights, Python and torch code runs from cold
+caches. On the 2-core Zen 4 host the dozen small torch calls around the fused stack (input
+tensors, the embedding, the final norm, the row gather, the LM head's output and its widening
+to float32) cost ~1 ms a one-sequence step, against ~0.2 ms for the same calls warm: a seventh
+of a step whose weights stream in 4.4-7.6 ms. Here the inputs go into buffers made once and
+the logits come back in one, so a step makes no torch call before the sampler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from kvfleet.kernels.cpu import cpu_attention, cpu_decode_step, cpu_gemm, cpu_library, cpu_linear
+
+_BF16 = torch.bfloat16
+
+
+class _Ends(ctypes.Structure):
+    _fields_ = [
+        ("embed", ctypes.c_void_p),
+        ("vocab", ctypes.c_int64),
+        ("norm", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p),
+        ("lm_head_rows", ctypes.c_int64),
+    ]
+
+
+class DecodeLogits:
+    """The one-call step for a `DecodeStack` and the model's embedding table, final norm and LM
+    head. Its inputs are Python lists (what the model runner builds anyway); its logits, a view
+    of a buffer it owns, stay valid until its next `run`."""
+
+    def __init__(
+        self,
+        stack: cpu_decode_step.DecodeStack,
+        embed: torch.Tensor,
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        lm_head_rows: int,
+        max_rows: int,
+        max_blocks: int,
+    ) -> None:
+        self.stack, self.max_rows, self.max_blocks = stack, max_rows, max_blocks
+        self.vocab = embed.shape[0]
+        self._keep = (embed, norm, lm_head)
+        self._ends = _Ends(
+            embed.data_ptr(), self.vocab, norm.data_ptr(), lm_head.data_ptr(), lm_head_rows
+        )
+        self._ids = (ctypes.c_int64 * max_rows)()
+        self._positions = (ctypes.c_int64 * max_rows)()
+        self._slots = (ctypes.c_int64 * max_rows)()
+        self._seq_lens = (ctypes.c_int32 * max_rows)()
+        self._tables = (ctypes.c_int32 * (max_rows * max_blocks))()
+        self._logits = torch.empty(max_rows, lm_head_rows, dtype=torch.float32)
+        # One view per row count, made once: a slice per step would be a torch call.
+        self._views: dict[int, torch.Tensor] = {}
+
+    def accepts(self, rows: int, max_blocks: int) -> bool:
+        """Whether a decode-only step of `rows` sequences, the longest holding `max_blocks`
+        blocks, runs here: the rows the fused stack takes, within the buffers."""
+        return (
+            cpu_decode_step.ENABLED
+            and self.stack.takes_rows(rows)
+            and rows <= self.max_rows
+            and max_blocks <= self.max_blocks
+        )
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """float32 logits [rows, lm_head_rows] of a step `accepts` took: one token per sequence
+        (`input_ids[i]` at `positions[i]`, its K/V into slot `slots[i]`), each sequence's length
+        with that token and its block table. Writes the step's K/V into the stack's caches."""
+        m = len(input_ids)
+        self._ids[:m] = input_ids
+        self._positions[:m] = positions
+        self._slots[:m] = slots
+        self._seq_lens[:m] = seq_lens
+        stride = self.max_blocks
+        for i, table in enumerate(tables):
+            self._tables[i * stride : i * stride + len(table)] = table
+        out = self._views.get(m)
+        if out is None:
+            out = self._views[m] = self._logits[:m]
+        lib = cpu_library.library()
+        args = (
+            ctypes.byref(self.stack.c_struct), ctypes.byref(self._ends), self._ids, m,
+            self._positions, self._slots, self._tables, stride, self._seq_lens,
+            out.data_ptr(), int(cpu_attention.ALLOW_AMX), torch.get_num_threads(),
+        )  # fmt: skip
+        if self.stack.dtype == _BF16:
+            status = lib.kvfleet_decode_logits_bf16(*args, cpu_gemm.kernel())
+        else:
+            status = lib.kvfleet_decode_logits_f32(*args)
+        if status == cpu_decode_step.TOKEN_STATUS:
+            raise IndexError(f"decode step: a token id is outside [0, {self.vocab})")
+        if status != 0:
+            self.stack.raise_status(status)
+        return out
+
+
+def build(
+    stack: cpu_decode_step.DecodeStack | None,
+    embed: torch.Tensor,
+    norm: torch.Tensor,
+    lm_head: object,
+    max_rows: int,
+    max_blocks: int,
+) -> DecodeLogits | None:
+    """The one-call step where the stack exists and the ends fit the kernels the two-call path
+    runs on them (a contiguous embedding table and norm in the stack's dtype; in bf16 an LM head
+    packed for cpu_gemm, in float32 a plain contiguous one); else None."""
+    if stack is None or max_rows < 1 or max_blocks < 1:
+        return None
+    dtype, hidden = stack.dtype, stack.hidden
+    if not (
+        embed.dtype == norm.dtype == dtype
+        and embed.device.type == norm.device.type == "cpu"
+        and embed.dim() == 2
+        and embed.shape[1] == hidden
+        and embed.is_contiguous()
+        and norm.shape == (hidden,)
+        and norm.is_contiguous()
+    ):
+        return None
+    if dtype == _BF16:
+        if not (
+            isinstance(lm_head, cpu_linear.PackedLinear)
+            and lm_head.tiles is not None
+            and lm_head.in_features == hidden
+        ):
+            return None
+        return DecodeLogits(
+            stack, embed, norm, lm_head.tiles, lm_head.out_features, max_rows, max_blocks
+        )
+    if not (
+        isinstance(lm_head, torch.Tensor)
+        and lm_head.dtype == torch.float32
+        and lm_head.device.type == "cpu"
+        and lm_head.dim() == 2
+        and lm_head.shape[1] == hidden
+        and lm_head.is_contiguous()
+    ):
+        return None
+    return DecodeLogits(stack, embed, norm, lm_head, lm_head.shape[0], max_rows, max_blocks)

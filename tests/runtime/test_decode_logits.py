@@ -1,0 +1,136 @@
+"""The one-call CPU decode step (kernels/cpu/cpu_decode_logits.py: token ids to logits in one C
+call) gives the two-call path's logits (the model's forward, then compute_logits) to the bit and
+writes the same cache bytes; the engine takes it for decode-only steps, with the same tokens and
+log-probabilities as without it; a token id outside the vocabulary is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet.kernels.cpu import cpu_decode_logits, cpu_decode_step, cpu_gemm, cpu_gemm_f32
+from kvfleet.runtime.engine.llm import LLM
+from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.loader import load_model
+from paged_decoder import Decoder
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
+
+
+def _model(folder: Path, dtype: torch.dtype) -> LlamaModel:
+    if dtype == BF16 and not cpu_gemm.available():
+        pytest.skip("no bf16 GEMM engine here (tests/kernels/test_cpu_gemm.py says which)")
+    if dtype == torch.float32 and not cpu_gemm_f32.available():
+        pytest.skip("no AVX-512 or AVX2 here (tests/kernels/test_cpu_gemm_f32.py asserts where)")
+    net, _, _ = load_model(str(folder), dtype, "cpu")
+    net.prepack()
+    return net
+
+
+def _one_call(net: LlamaModel, run: Decoder, rows: int) -> cpu_decode_logits.DecodeLogits:
+    one_call = net.decode_logits_for(run.kv, rows, run.tables.shape[1])
+    assert one_call is not None
+    return one_call
+
+
+def _assert_same_steps(net: LlamaModel, lengths: list[int], steps: int) -> None:
+    one = Decoder(net, lengths)
+    two = one.fork()
+    one_call = _one_call(net, one, len(lengths))
+    for _ in range(steps):  # later steps read what the first wrote
+        got = one.decode_one_call(one_call).clone()
+        with torch.inference_mode():
+            want = net.compute_logits(two.decode())
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(one.kv, two.kv, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied LM head; a tied one, biases
+@pytest.mark.parametrize("num_seqs", [1, 7])
+def test_bf16_one_call_logits_match_forward_then_compute_logits(
+    arch, num_seqs, bf16_gemm_engine, tiny_llama_dir, tiny_qwen2_dir
+):
+    folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
+    _assert_same_steps(_model(folder, BF16), lengths.tolist(), 3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_one_call_logits_match_forward_then_compute_logits(
+    arch, tiny_llama_dir, tiny_qwen2_dir
+):
+    folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    lengths = [5, 33, 17, 2][: max(cpu_gemm_f32.MIN_ROWS, 4)]
+    _assert_same_steps(_model(folder, torch.float32), lengths, 3)
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_and_writes_no_cache(tiny_llama_dir):
+    net = _model(tiny_llama_dir, BF16 if cpu_gemm.available() else torch.float32)
+    run = Decoder(net, [4, 6])
+    one_call = _one_call(net, run, 2)
+    before = [(k.clone(), v.clone()) for k, v in run.kv]
+    vocab = net.embed_tokens.shape[0]
+    bad = [3, vocab]
+    with pytest.raises(IndexError, match=f"token id is outside \\[0, {vocab}\\)"):
+        one_call.run(bad, [4, 6], [0, 16], [5, 7], [[0], [1]])
+    for (k1, v1), (k2, v2) in zip(run.kv, before, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_steps_past_its_rows_or_blocks_or_with_the_fused_step_off_are_not_taken(tiny_llama_dir):
+    net = _model(tiny_llama_dir, BF16 if cpu_gemm.available() else torch.float32)
+    run = Decoder(net, [4, 6, 9, 3])
+    one_call = _one_call(net, run, 4)
+    blocks = run.tables.shape[1]
+    assert one_call.accepts(4, blocks)
+    assert not one_call.accepts(5, blocks)  # more sequences than its buffers hold
+    assert not one_call.accepts(4, blocks + 1)  # a longer block table
+    cpu_decode_step.ENABLED = False
+    assert not one_call.accepts(4, blocks)
+
+
+def test_no_one_call_without_the_fused_stack(tiny_llama_dir):
+    unpacked, _, _ = load_model(str(tiny_llama_dir), BF16, "cpu")  # not prepacked
+    run = Decoder(unpacked, [3])
+    assert unpacked.decode_logits_for(run.kv, 1, run.tables.shape[1]) is None
+
+
+def test_engine_decodes_in_one_call_with_the_two_call_paths_tokens_and_logprobs(
+    tiny_llama_dir, monkeypatch
+):
+    dtype = "bfloat16" if cpu_gemm.available() else "float32"
+    if dtype == "float32" and not cpu_gemm_f32.available():
+        pytest.skip("no C GEMM here: the fused steps need one")
+    calls: list[int] = []
+    run = cpu_decode_logits.DecodeLogits.run
+
+    def counted(self, input_ids, *args):
+        calls.append(len(input_ids))
+        return run(self, input_ids, *args)
+
+    monkeypatch.setattr(cpu_decode_logits.DecodeLogits, "run", counted)
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = {}
+    for one_call in (True, False):
+        with LLM(str(tiny_llama_dir), dtype=dtype, max_model_len=128, max_num_seqs=4) as llm:
+            if not one_call:
+                llm.engine.runner.one_call_shape = None
+            results[one_call] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        if one_call:
+            assert calls and set(calls) == {2}  # both sequences decoded together, in one call
+            calls.clear()
+    assert calls == []
+    for got, want in zip(results[True], results[False], strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == want.logprobs
