@@ -76,8 +76,11 @@ class Decoder:
         """A decode step of every sequence (random next tokens) through the model's forward."""
         return self.step([[int(t)] for t in self._next_tokens()])
 
-    def decode_one_call(self, one_call: cpu_decode_logits.DecodeLogits) -> torch.Tensor:
-        """The same step as `decode` (the same tokens), through the one-call step: its logits."""
+    def decode_one_call(
+        self, one_call: cpu_decode_logits.DecodeLogits, argmax: bool = False
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """The same step as `decode` (the same tokens), through the one-call step: its logits
+        and, asked, their argmaxes."""
         ids = [int(t) for t in self._next_tokens()]
         positions = list(self.lens)
         slots = [
@@ -89,7 +92,7 @@ class Decoder:
             row[: -(-n // self.block_size)].tolist()
             for row, n in zip(self.tables, self.lens, strict=True)
         ]
-        return one_call.run(ids, positions, slots, list(self.lens), tables)
+        return one_call.run(ids, positions, slots, list(self.lens), tables, argmax)
 
     def _next_tokens(self) -> torch.Tensor:
         return torch.randint(0, 1000, (len(self.lens),), generator=self.gen)

@@ -11,6 +11,8 @@
 
 #include <math.h>
 #include <stdint.h>
+
+#include "cpu_entry_points.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

@@ -34,7 +34,9 @@ class _Ends(ctypes.Structure):
 class DecodeLogits:
     """The one-call step for a `DecodeStack` and the model's embedding table, final norm and LM
     head. Its inputs are Python lists (what the model runner builds anyway); its logits, a view
-    of a buffer it owns, stay valid until its next `run`."""
+    of a buffer it owns, stay valid until its next `run`. Asked, it also returns each row's
+    argmax (greedy sampling's pick, by the kernel `dispatch.argmax` runs), which spares the
+    sampler its torch calls."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class DecodeLogits:
         self._positions = (ctypes.c_int64 * max_rows)()
         self._slots = (ctypes.c_int64 * max_rows)()
         self._seq_lens = (ctypes.c_int32 * max_rows)()
+        self._argmax = (ctypes.c_int64 * max_rows)()
         self._tables = (ctypes.c_int32 * (max_rows * max_blocks))()
         self._logits = torch.empty(max_rows, lm_head_rows, dtype=torch.float32)
         # One view per row count, made once: a slice per step would be a torch call.
@@ -78,10 +81,12 @@ class DecodeLogits:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
-    ) -> torch.Tensor:
+        argmax: bool = False,
+    ) -> tuple[torch.Tensor, list[int] | None]:
         """float32 logits [rows, lm_head_rows] of a step `accepts` took: one token per sequence
         (`input_ids[i]` at `positions[i]`, its K/V into slot `slots[i]`), each sequence's length
-        with that token and its block table. Writes the step's K/V into the stack's caches."""
+        with that token and its block table; with `argmax`, each row's argmax (else None).
+        Writes the step's K/V into the stack's caches."""
         m = len(input_ids)
         self._ids[:m] = input_ids
         self._positions[:m] = positions
@@ -97,7 +102,8 @@ class DecodeLogits:
         args = (
             ctypes.byref(self.stack.c_struct), ctypes.byref(self._ends), self._ids, m,
             self._positions, self._slots, self._tables, stride, self._seq_lens,
-            out.data_ptr(), int(cpu_attention.ALLOW_AMX), torch.get_num_threads(),
+            out.data_ptr(), self._argmax if argmax else None, int(cpu_attention.ALLOW_AMX),
+            torch.get_num_threads(),
         )  # fmt: skip
         if self.stack.dtype == _BF16:
             status = lib.kvfleet_decode_logits_bf16(*args, cpu_gemm.kernel())
@@ -107,7 +113,7 @@ class DecodeLogits:
             raise IndexError(f"decode step: a token id is outside [0, {self.vocab})")
         if status != 0:
             self.stack.raise_status(status)
-        return out
+        return out, (self._argmax[:m] if argmax else None)
 
 
 def build(

@@ -204,7 +204,8 @@ enum { WIDEN_MIN_ELEMS = 1 << 16 }; /* below this one thread widens the bf16 log
 
 /* m sequences' next-token logits (float32 [m, lm_head_rows]) from their token ids: the
  * embedding rows, the stack's step, the final RMSNorm and the LM head, each the kernel the
- * per-op path calls (LlamaModel.forward, then compute_logits), so the same bits. Why one call:
+ * per-op path calls (LlamaModel.forward, then compute_logits), so the same bits; with `argmax`
+ * (else NULL) each row's argmax too, by the kernel greedy sampling calls. Why one call:
  * after a step's kernels the Python and torch calls around them run from cold caches, ~1 ms a
  * step on the 2-core host for the dozen the two-call path makes (cpu_decode_logits.py). The
  * other arguments are kvfleet_decode_step_*'s; gemm_kernel is unused in float32. */
@@ -212,7 +213,7 @@ static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int d
                          const int64_t *ids, int64_t m, const int64_t *positions,
                          const int64_t *slots, const int32_t *block_tables,
                          int64_t table_stride, const int32_t *seq_lens, float *logits,
-                         int allow_amx, int num_threads, int gemm_kernel) {
+                         int64_t *argmax, int allow_amx, int num_threads, int gemm_kernel) {
     const int bf16 = dtype == DTYPE_BFLOAT16;
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t h = stack->hidden, n = ends->lm_head_rows;
@@ -259,26 +260,33 @@ static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int d
             memcpy(&logits[i], &bits, sizeof bits);
         }
     }
+    if (status == OK && argmax) {
+        status = kvfleet_argmax_f32(logits, n, m, n, argmax, num_threads);
+        if (status != OK) status = ENDS_FAILED(status);
+    }
     free(buffers);
     return status;
 }
 
-/* kvfleet_decode_step_bf16's step from token ids (ids [m] int64) to float32 logits. */
+/* kvfleet_decode_step_bf16's step from token ids (ids [m] int64) to float32 logits, and with
+ * argmax ([m] int64, else NULL) each row's argmax. */
 int kvfleet_decode_logits_bf16(const DecodeStack *stack, const DecodeEnds *ends,
                                const int64_t *ids, int64_t m, const int64_t *positions,
                                const int64_t *slots, const int32_t *block_tables,
                                int64_t table_stride, const int32_t *seq_lens, float *logits,
-                               int allow_amx, int num_threads, int gemm_kernel) {
+                               int64_t *argmax, int allow_amx, int num_threads,
+                               int gemm_kernel) {
     return decode_logits(stack, ends, DTYPE_BFLOAT16, ids, m, positions, slots, block_tables,
-                         table_stride, seq_lens, logits, allow_amx, num_threads, gemm_kernel);
+                         table_stride, seq_lens, logits, argmax, allow_amx, num_threads,
+                         gemm_kernel);
 }
 
-/* kvfleet_decode_step_f32's step from token ids to float32 logits. */
+/* kvfleet_decode_step_f32's step from token ids to float32 logits (and argmaxes). */
 int kvfleet_decode_logits_f32(const DecodeStack *stack, const DecodeEnds *ends,
                               const int64_t *ids, int64_t m, const int64_t *positions,
                               const int64_t *slots, const int32_t *block_tables,
                               int64_t table_stride, const int32_t *seq_lens, float *logits,
-                              int allow_amx, int num_threads) {
+                              int64_t *argmax, int allow_amx, int num_threads) {
     return decode_logits(stack, ends, DTYPE_FLOAT32, ids, m, positions, slots, block_tables,
-                         table_stride, seq_lens, logits, allow_amx, num_threads, 0);
+                         table_stride, seq_lens, logits, argmax, allow_amx, num_threads, 0);
 }

@@ -34,6 +34,10 @@ int kvfleet_rotary_and_cache(const int64_t *positions, int64_t tokens, void *q, 
                              void *k_cache, void *v_cache, const int64_t *slots,
                              int64_t num_blocks, int block_size, int io_dtype, int num_threads);
 
+/* cpu_argmax.c */
+int kvfleet_argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols,
+                       int64_t *out, int num_threads);
+
 /* cpu_attention.c */
 int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_io,
                              int64_t out_stride, int io_dtype, const void *k_cache,

@@ -100,9 +100,9 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i, _i],
     "kvfleet_decode_step_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
     # stack, ends (a DecodeEnds), ids, m, positions, slots, block_tables, table_stride,
-    # seq_lens, logits, allow_amx, num_threads (bf16: then the GEMM kernel)
-    "kvfleet_decode_logits_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _i, _i, _i],
-    "kvfleet_decode_logits_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _i, _i],
+    # seq_lens, logits, argmax (or NULL), allow_amx, num_threads (bf16: then the GEMM kernel)
+    "kvfleet_decode_logits_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i, _i, _i],
+    "kvfleet_decode_logits_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i, _i],
 }  # fmt: skip
 
 

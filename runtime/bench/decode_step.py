@@ -125,7 +125,8 @@ class _Batch:
 
     def step_one_call(self):
         """The step's logits from the one call."""
-        return self.one_call.run(*self.lists)
+        logits, _ = self.one_call.run(*self.lists)
+        return logits
 
 
 def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:

@@ -352,7 +352,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         touched: dict[str, None] = {}
         if result.sample_rows:
-            picks = self._sample(result.logits, result.sample_rows)
+            picks = self._sample(result.logits, result.sample_rows, result.argmax)
             now = time.monotonic()
             for r, pick in zip(result.sample_rows, picks, strict=True):
                 if r.finished:  # a sibling failed earlier in this loop and took the group down
@@ -379,12 +379,13 @@ class LLMEngine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[Request]
+        self, logits: torch.Tensor, rows: list[Request], argmax: list[int] | None = None
     ) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """Each row's (token, logprob); where sampling the batch fails, the rows are sampled one
-        at a time so that only the requests whose own rows fail get an exception."""
+        at a time so that only the requests whose own rows fail get an exception. `argmax`:
+        each row's argmax of `logits`, where the step computed it."""
         try:
-            tokens, logprobs = self.sampler(logits, rows)
+            tokens, logprobs = self.sampler(logits, rows, argmax)
             return list(zip(tokens, logprobs, strict=True))
         except Exception:
             log.warning(

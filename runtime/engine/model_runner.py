@@ -43,6 +43,9 @@ class StepLogits:
     logits: torch.Tensor
     # Prompt logprobs this step computed, per request that asked, in prompt order.
     prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
+    # Each row's argmax of `logits`, where the step computed it (the one-call CPU step, when
+    # every row samples greedily); else None.
+    argmax: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -218,8 +221,9 @@ class ModelRunner:
         max_blocks = max(len(t) for t in tables)
         one_call = self.one_call_step() if num_decodes == len(order) and not prompt_spans else None
         if one_call is not None and one_call.accepts(num_decodes, max_blocks):
-            logits = one_call.run(input_ids, positions, slots, seq_lens, tables)
-            return StepLogits(sample_rows, logits, [])
+            greedy = all(r.params.greedy for r in sample_rows)
+            logits, argmax = one_call.run(input_ids, positions, slots, seq_lens, tables, greedy)
+            return StepLogits(sample_rows, logits, [], argmax)
         table = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for row, t in enumerate(tables):
             table[row, : len(t)] = t

@@ -25,27 +25,32 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request]
+        self, logits: torch.Tensor, requests: list[Request], argmax: list[int] | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: float32 [len(requests), vocab] on the sampler's device, left unchanged (the
-        engine samples rows again one by one when a batch fails, from the same logits)."""
+        engine samples rows again one by one when a batch fails, from the same logits).
+        `argmax`: each row's argmax of `logits` where the caller has it (the one-call CPU decode
+        step computes it): greedy rows take it unless a bias or constraint changed the row."""
         # Returned logprobs are the model's own distribution: taken before logit_bias, penalties
         # and min_tokens, as vLLM's default does, so a forced token shows how unlikely it was.
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        given = logits
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_constraints(logits, requests)
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        if len(greedy) == len(requests):
-            tokens = dispatch.argmax(logits)
+        if len(greedy) == len(requests) and argmax is not None and logits is given:
+            token_list = list(argmax)
+        elif len(greedy) == len(requests):
+            token_list = dispatch.argmax(logits).tolist()
         else:
             tokens = self._sample(logits, requests)
             if greedy:
                 idx = torch.tensor(greedy, device=logits.device)
                 tokens[idx] = dispatch.argmax(logits[idx])
-        token_list = tokens.tolist()
+            token_list = tokens.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         if raw_logprobs is not None:

@@ -34,10 +34,10 @@ def _install() -> None:
             raise RuntimeError("injected forward-pass fault")
         return execute(self, batch)
 
-    def failing_sample(self, logits, requests):  # type: ignore[no-untyped-def]
+    def failing_sample(self, logits, requests, argmax=None):  # type: ignore[no-untyped-def]
         if any(SAMPLER_FAULT in r.params.stop for r in requests):
             raise RuntimeError("injected sampler fault")
-        return sample(self, logits, requests)
+        return sample(self, logits, requests, argmax)
 
     def failing_encode(self, prompt, add_special_tokens=True):  # type: ignore[no-untyped-def]
         if ENCODE_FAULT in prompt:

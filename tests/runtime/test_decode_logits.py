@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_logits, cpu_decode_step, cpu_gemm, cpu_gemm_f32
 from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.engine.sampling_params import SamplingParams
@@ -42,15 +43,19 @@ def _one_call(net: LlamaModel, run: Decoder, rows: int) -> cpu_decode_logits.Dec
 
 
 def _assert_same_steps(net: LlamaModel, lengths: list[int], steps: int) -> None:
+    """`steps` decode steps one-call and two-call from the same state: the same logits, and
+    cache bytes."""
     one = Decoder(net, lengths)
     two = one.fork()
     one_call = _one_call(net, one, len(lengths))
-    for _ in range(steps):  # later steps read what the first wrote
-        got = one.decode_one_call(one_call).clone()
+    for step in range(steps):  # later steps read what the first wrote
+        got, argmax = one.decode_one_call(one_call, argmax=step % 2 == 1)
         with torch.inference_mode():
             want = net.compute_logits(two.decode())
         assert got.dtype == want.dtype == torch.float32
         assert torch.equal(got, want)
+        # Asked, the argmaxes greedy sampling would take from these logits; else none.
+        assert argmax == (dispatch.argmax(want).tolist() if step % 2 == 1 else None)
     for (k1, v1), (k2, v2) in zip(one.kv, two.kv, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
@@ -62,7 +67,7 @@ def test_bf16_one_call_logits_match_forward_then_compute_logits(
 ):
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
-    _assert_same_steps(_model(folder, BF16), lengths.tolist(), 3)
+    _assert_same_steps(_model(folder, BF16), lengths.tolist(), 4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -71,7 +76,7 @@ def test_float32_one_call_logits_match_forward_then_compute_logits(
 ):
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     lengths = [5, 33, 17, 2][: max(cpu_gemm_f32.MIN_ROWS, 4)]
-    _assert_same_steps(_model(folder, torch.float32), lengths, 3)
+    _assert_same_steps(_model(folder, torch.float32), lengths, 4)
 
 
 def test_a_token_id_outside_the_vocabulary_is_refused_and_writes_no_cache(tiny_llama_dir):

@@ -31,10 +31,10 @@ class _FaultySampler:
     def __init__(self, real) -> None:
         self.real = real
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, argmax=None):
         if any(SAMPLER_FAULT in r.params.stop for r in requests):
             raise RuntimeError("injected sampler fault")
-        return self.real(logits, requests)
+        return self.real(logits, requests, argmax)
 
 
 class _FaultyDetokenizer(IncrementalDetokenizer):

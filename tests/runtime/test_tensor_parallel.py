@@ -35,9 +35,9 @@ class RecordingSampler:
         self.real = real
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, argmax=None):
         self.logits.append(logits.clone())
-        return self.real(logits, requests)
+        return self.real(logits, requests, argmax)
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
