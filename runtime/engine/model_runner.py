@@ -219,7 +219,10 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
 
         max_blocks = max(len(t) for t in tables)
-        one_call = self.one_call_step() if num_decodes == len(order) and not prompt_spans else None
+        # One token per sequence, every one sampled (a one-token chunk inside a prompt is not,
+        # and its row would have logits no request takes), no prompt logprobs.
+        one_row_each = num_decodes == len(order) == len(sample_rows) and not prompt_spans
+        one_call = self.one_call_step() if one_row_each else None
         if one_call is not None and one_call.accepts(num_decodes, max_blocks):
             greedy = all(r.params.greedy for r in sample_rows)
             logits, argmax = one_call.run(input_ids, positions, slots, seq_lens, tables, greedy)

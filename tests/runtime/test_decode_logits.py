@@ -139,3 +139,25 @@ def test_engine_decodes_in_one_call_with_the_two_call_paths_tokens_and_logprobs(
     for got, want in zip(results[True], results[False], strict=True):
         assert got.token_ids == want.token_ids
         assert got.logprobs == want.logprobs
+
+
+def test_steps_with_a_one_token_prompt_chunk_keep_the_two_call_path(tiny_llama_dir, caplog):
+    """A two-token budget schedules a decode beside a one-token chunk of the next prompt: one
+    token per sequence, but the chunk's row is not sampled. Such steps keep the two-call path
+    (the one call's logits would have a row no request takes): the same tokens as without the
+    one call, and no sampling failure."""
+    dtype = "bfloat16" if cpu_gemm.available() else "float32"
+    if dtype == "float32" and not cpu_gemm_f32.available():
+        pytest.skip("no C GEMM here: the fused steps need one")
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    options = dict(dtype=dtype, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=2)
+    results = {}
+    for one_call in (True, False):
+        with LLM(str(tiny_llama_dir), enable_chunked_prefill=True, **options) as llm:
+            if not one_call:
+                llm.engine.runner.one_call_shape = None
+            with caplog.at_level("WARNING"):
+                results[one_call] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert results[True] == results[False]
+    assert not [r for r in caplog.records if "sampling" in r.getMessage()]
