@@ -12,7 +12,9 @@ intermediate 1536, vocab 49152, 30 layers, bf16).
   LM head) at 1 to 2048 rows, kvfleet's bf16 kernel (`cpu_gemm`, on its AMX engine or, without
   AMX, its AVX512-BF16 one: the row says which) against oneDNN on its prepacked
   weight (`cpu_linear`), both timed on every row count to show where each wins (`kvfleet bench
-  gemm-rows` asks the same of a real run's steps);
+  gemm-rows` asks the same of a real run's steps); at decode sizes (up to 16 rows) also with
+  the tiles on 2 MiB pages, as the engine holds them (`huge_pages`), against the same tiles on
+  4 KiB pages, in turns;
 - float32 (the CPU default without AVX512-BF16), where the build has AVX-512: prefill attention
   (`cpu_prefill`'s float32 kernel) against SDPA, a step's projections on `cpu_gemm_f32` against
   F.linear (MKL) at 1 to 128 rows, and one layer's RMSNorm, rotary + cache write and
@@ -42,6 +44,7 @@ DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past an
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
 GEMM_ROWS = (1, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 GEMM_LAYERS = 30  # distinct weights per timed step: 212 MB, as the model streams them
+HUGE_PAGE_MAX_ROWS = 16  # decode sizes, where streaming the weights sets the pace
 VERIFY_TOLERANCE = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, float32 accumulation in all
 F32_VERIFY_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 # The standard workload's median prompt first, then the bf16 shapes.
@@ -92,6 +95,11 @@ class GemmRow:
     # and gate as separate calls, then fused into the GEMMs' input rows.
     separate_ops_ms: float | None = None
     fused_ops_ms: float | None = None
+    # cpu_gemm's step with the same tiles on 2 MiB pages (as the engine holds them), in turns
+    # with kernel_ms's 4 KiB pages; up to HUGE_PAGE_MAX_ROWS rows, where the kernel runs and
+    # the kernel gives them.
+    kernel_huge_pages_ms: float | None = None
+    kernel_huge_pages_gbps: float | None = None
 
 
 @dataclass(slots=True)
@@ -298,8 +306,21 @@ def gemm_weights(torch, layers: int):
     return plain, [cpu_linear.pack(w) for w in plain]
 
 
-def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
-    """One step's projections at `rows` rows: oneDNN and (where it runs) cpu_gemm."""
+def huge_page_tiles(packed) -> list | None:
+    """Copies of the packed weights' cpu_gemm tiles on 2 MiB pages, as the engine's prepack
+    places them; None where the kernel has no tiles or the kernel gives no such pages."""
+    from kvfleet.kernels.cpu import huge_pages
+
+    if not huge_pages.enabled() or any(p.tiles is None for p in packed):
+        return None
+    arena = huge_pages.HugePageArena()
+    tiles = [arena.copy(p.tiles) for p in packed]
+    return tiles if all(huge_pages.on_huge_pages(t) for t in tiles) else None
+
+
+def gemm_row(torch, rows: int, plain, packed, iters: int, huge_tiles=None) -> GemmRow:
+    """One step's projections at `rows` rows: oneDNN and (where it runs) cpu_gemm, and with
+    `huge_tiles` (`huge_page_tiles`) cpu_gemm on those too, up to HUGE_PAGE_MAX_ROWS rows."""
     from kvfleet.kernels import dispatch
     from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 
@@ -320,8 +341,12 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
         for p in packed:
             cpu_gemm.linear(inputs[p.in_features], p.tiles)
 
+    def huge_pages_step():
+        for p, tiles in zip(packed, huge_tiles, strict=True):
+            cpu_gemm.linear(inputs[p.in_features], tiles)
+
     weight_bytes = sum(w.numel() * 2 for w in plain)
-    kernel = kernel_ms = None
+    kernel = kernel_ms = huge_ms = None
     if all(p.tiles is not None for p in packed) and cpu_gemm.available():
         amx = cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX
         kernel = dispatch.PATH_AMX if amx else dispatch.PATH_AVX512_BF16
@@ -330,7 +355,16 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
             got = cpu_gemm.linear(x, p.tiles)
             want = torch.nn.functional.linear(x, w)
             _verify(torch, f"projection {tuple(w.shape)} at {rows} rows ({kernel})", got, want)
-        onednn_ms, kernel_ms = alternating_min_ms([onednn_step, kernel_step], iters)
+        steps = [onednn_step, kernel_step]
+        if huge_tiles is not None and rows <= HUGE_PAGE_MAX_ROWS:
+            x = inputs[packed[0].in_features]
+            if not torch.equal(
+                cpu_gemm.linear(x, huge_tiles[0]), cpu_gemm.linear(x, packed[0].tiles)
+            ):
+                raise KernelMismatch(f"projection tiles on 2 MiB pages at {rows} rows: other bits")
+            steps.append(huge_pages_step)
+        onednn_ms, kernel_ms, *rest = alternating_min_ms(steps, iters)
+        huge_ms = rest[0] if rest else None
     else:
         onednn_ms = min_ms(onednn_step, iters)
 
@@ -341,6 +375,7 @@ def gemm_row(torch, rows: int, plain, packed, iters: int) -> GemmRow:
         rows, weight_bytes / 1e6, onednn_ms, kernel, kernel_ms, gbps(onednn_ms), gbps(kernel_ms),
         onednn_ms / kernel_ms if kernel_ms else None,
     )  # fmt: skip
+    row.kernel_huge_pages_ms, row.kernel_huge_pages_gbps = huge_ms, gbps(huge_ms)
     if kernel_ms is not None and rows <= cpu_gemm.max_rows():
         row.separate_ops_ms, row.fused_ops_ms = _layer_ops_ms(torch, rows, packed[:-1], iters)
     return row
@@ -539,7 +574,8 @@ def gemm_rows(torch, iters: int) -> list[dict]:
     if not cpu_linear.available():
         return []
     plain, packed = gemm_weights(torch, GEMM_LAYERS)
-    return [asdict(gemm_row(torch, rows, plain, packed, iters)) for rows in GEMM_ROWS]
+    huge_tiles = huge_page_tiles(packed)
+    return [asdict(gemm_row(torch, rows, plain, packed, iters, huge_tiles)) for rows in GEMM_ROWS]
 
 
 def _cpu_name() -> str:
@@ -585,13 +621,18 @@ def print_report(report: dict) -> None:
         print(
             f"30 layers' projections with their norms and gate, separate calls and fused ({name})"
         )
-        print(f"{'rows':>6} {'oneDNN':>15} {name:>15} {'speedup':>8} {'separate':>9} {'fused':>7}")
+        print(f"and {name} with the tiles on 2 MiB pages (decode sizes)")
+        print(
+            f"{'rows':>6} {'oneDNN':>15} {name:>15} {'speedup':>8} {'separate':>9} {'fused':>7} "
+            f"{'2 MiB pages':>15}"
+        )
         for r in report["projections"]:
             print(
                 f"{r['rows']:>6} {r['onednn_ms']:>7.2f} ({r['onednn_gbps']:>4.1f}) "
                 f"{_fmt(r['kernel_ms'], '7.2f')} ({_fmt(r['kernel_gbps'], '4.1f')}) "
                 f"{_fmt(r['kernel_speedup'], '7.2f')}x {_fmt(r['separate_ops_ms'], '9.2f')} "
-                f"{_fmt(r['fused_ops_ms'], '7.2f')}"
+                f"{_fmt(r['fused_ops_ms'], '7.2f')} {_fmt(r['kernel_huge_pages_ms'], '7.2f')} "
+                f"({_fmt(r['kernel_huge_pages_gbps'], '4.1f')})"
             )
     f32 = report["float32"]
     titles = {

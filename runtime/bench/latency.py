@@ -237,13 +237,13 @@ class _Probe:
         model.forward = timed(self._forward, times.forward)
         model.compute_logits = timed(self._logits, times.logits)
         # A fused decode step, on CPU one C call and on a GPU one graph replay, is counted.
-        self._wrapped = [self._stack if self._stack is not None else self._graphs]
-        if self._wrapped[0] is not None:
-            run = self._wrapped[0].run
-            self._wrapped[0].run = counted(timed(run, times.forward) if self._graphs else run)
-        self._wrapped.append(engine.runner.one_call_step())
-        if self._wrapped[1] is not None:
-            self._wrapped[1].run = counted(timed(self._wrapped[1].run, times.forward))
+        fused = self._stack if self._stack is not None else self._graphs
+        if fused is not None:
+            fused.run = counted(timed(fused.run, times.forward) if self._graphs else fused.run)
+        one_call = engine.runner.one_call_step()
+        if one_call is not None:
+            one_call.run = counted(timed(one_call.run, times.forward))
+        self._wrapped = [w for w in (fused, one_call) if w is not None]
 
     def reset(self) -> None:
         self.times.forward.clear()
@@ -253,9 +253,8 @@ class _Probe:
     def close(self) -> None:
         model = self.engine.model
         del model.forward, model.compute_logits  # the class's methods again
-        for one_call in self._wrapped:
-            if one_call is not None:
-                del one_call.run
+        for wrapped in self._wrapped:
+            del wrapped.run  # the class's method again
 
 
 def _synchronizer(device: Any) -> Any:

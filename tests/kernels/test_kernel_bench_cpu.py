@@ -166,3 +166,30 @@ def test_a_wrong_projection_kernel_fails_the_benchmark(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "linear", zeros)
     with pytest.raises(cpu_kernels.KernelMismatch, match=r"projection \(960, 576\) at 16 rows"):
         cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)
+
+
+def test_decode_sized_rows_also_time_the_tiles_on_2_mib_pages():
+    """As the engine holds them: the same step on the same tiles, copied onto 2 MiB pages; only
+    at decode sizes, and only where the kernel and the pages exist."""
+    from kvfleet.kernels.cpu import huge_pages
+
+    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
+    tiles = cpu_kernels.huge_page_tiles(packed)
+    if tiles is None:
+        assert not (huge_pages.enabled() and cpu_gemm.available())
+        pytest.skip("no cpu_gemm tiles or no 2 MiB pages here")
+    assert all(huge_pages.on_huge_pages(t) for t in tiles)
+    row = cpu_kernels.gemm_row(torch, 1, plain, packed, iters=1, huge_tiles=tiles)
+    assert row.kernel_huge_pages_ms > 0 and row.kernel_huge_pages_gbps > 0
+    big = cpu_kernels.gemm_row(torch, 32, plain, packed, iters=1, huge_tiles=tiles)
+    assert big.kernel_huge_pages_ms is None and big.kernel_huge_pages_gbps is None
+
+
+def test_tiles_on_2_mib_pages_that_give_other_bits_fail_the_benchmark():
+    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
+    tiles = cpu_kernels.huge_page_tiles(packed)
+    if tiles is None:
+        pytest.skip("no cpu_gemm tiles or no 2 MiB pages here")
+    tiles[0].zero_()
+    with pytest.raises(cpu_kernels.KernelMismatch, match="2 MiB pages at 1 rows"):
+        cpu_kernels.gemm_row(torch, 1, plain, packed, iters=1, huge_tiles=tiles)
