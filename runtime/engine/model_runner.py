@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.scheduler import ScheduledBatch
 from kvfleet.runtime.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvfleet.kernels.cpu.cpu_decode_logits import DecodeLogits
 
 # Prompt logprobs turn hidden rows into full-vocabulary logits; this many at a time bounds the
 # memory that costs (a long prompt chunk times a large vocabulary would not fit otherwise).
@@ -163,8 +166,8 @@ class ModelRunner:
         # On CPU a decode-only step goes from token ids to logits in one C call where the
         # model offers one (cpu_decode_logits: the same bits, without the torch calls around
         # the fused stack, which run from cold caches after it). Not for tensor parallelism.
-        # (most sequences, most blocks) it serves; None turns it off (a benchmark that wraps
-        # the model's forward needs every step to go through it).
+        # The shape is the most sequences and blocks a step may have for it; None turns it
+        # off (a benchmark that wraps the model's forward needs every step to go through it).
         self.one_call_shape: tuple[int, int] | None = (
             (min(max_num_seqs, ONE_CALL_MAX_ROWS), -(-max_model_len // kv.block_size))
             if device.type == "cpu" and workers is None and max_num_seqs and max_model_len
@@ -259,7 +262,7 @@ class ModelRunner:
         logits = next_logits()
         return StepLogits(sample_rows, logits, prompt_logprobs)
 
-    def one_call_step(self) -> Any:
+    def one_call_step(self) -> DecodeLogits | None:
         """The model's one-call CPU decode step (`decode_logits_for`) for this runner's
         caches and step sizes, or None where there is none."""
         if self.one_call_shape is None:
