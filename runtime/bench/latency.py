@@ -149,10 +149,7 @@ def _parse_counts(flag: str, text: str) -> list[int]:
 def decode_weight_bytes(mc: Any, elem_size: int) -> int:
     """Bytes of weights one decode step reads: all of them but an untied input embedding table
     (of which a step reads one row per sequence)."""
-    params = mc.num_parameters()
-    if not mc.tie_word_embeddings:
-        params -= mc.vocab_size * mc.hidden_size
-    return params * elem_size
+    return mc.step_parameters() * elem_size
 
 
 def prefill_flops(mc: Any, tokens: int) -> int:

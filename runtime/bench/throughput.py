@@ -214,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
     result = runs[0]  # step-level figures (utilization, timeline) come from the first run
     elapsed = statistics.fmean(r.elapsed for r in runs)
     params = engine.model_config.num_parameters()
+    # FLOPs a token costs: 2 per weight it multiplies (an untied input embedding is a lookup).
+    step_params = engine.model_config.step_parameters()
     total_tps = (result.prompt_tokens + result.output_tokens) / elapsed
     out: dict[str, Any] = {
         "model": config.model,
@@ -232,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         "matmul_flops": matmul,
         "matmul_flops_first": matmul_first,
         "matmul_flops_last": matmul_last,
-        "mfu": total_tps * 2 * params / matmul,
+        "mfu": total_tps * 2 * step_params / matmul,
         "kv_utilization": result.kv_utilization,
         "contiguous_kv_utilization": result.contiguous_kv_utilization,
         "peak_running_seqs": result.peak_running_seqs,

@@ -142,6 +142,13 @@ class ModelConfig:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
 
+    def step_parameters(self) -> int:
+        """The weights each token's forward multiplies or reads whole: all of them but an untied
+        input embedding table, of which a token reads one row (a tied table counts once, as
+        the LM head). MFU counts 2 FLOPs for each; a decode step streams each once."""
+        untied_input = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_parameters() - untied_input
+
     def inv_freq(self) -> Any:
         """RoPE inverse frequencies (float32 torch tensor, [head_dim / 2]) with scaling applied."""
         import torch

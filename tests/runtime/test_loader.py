@@ -139,6 +139,8 @@ def test_untied_weights_load_into_our_model(tiny_llama_dir: Path) -> None:
         rtol=0,
     )
     assert cfg.num_parameters() == sum(t.numel() for t in hf.values())
+    # MFU's and the streaming bound's count: the untied input table is a lookup, not read whole.
+    assert cfg.step_parameters() == cfg.num_parameters() - hf["model.embed_tokens.weight"].numel()
 
 
 def test_tied_weights_share_the_embedding(tiny_qwen2_dir: Path) -> None:
@@ -150,6 +152,7 @@ def test_tied_weights_share_the_embedding(tiny_qwen2_dir: Path) -> None:
     expected = torch.cat([hf[f"model.layers.2.self_attn.{n}_proj.bias"] for n in "qkv"])
     torch.testing.assert_close(net.layers[2].qkv_bias, expected.to(torch.bfloat16))
     assert cfg.num_parameters() == sum(t.numel() for t in hf.values())
+    assert cfg.step_parameters() == cfg.num_parameters()  # the one table is the LM head
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama_dir: Path, tmp_path: Path) -> None:
