@@ -16,7 +16,13 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from kvfleet.kernels.cpu import cpu_attention, cpu_decode_step, cpu_gemm, cpu_library, cpu_linear
+from kvfleet.kernels.cpu import (
+    cpu_attention,
+    cpu_decode_step,
+    cpu_elementwise,
+    cpu_gemm,
+    cpu_library,
+)
 
 _BF16 = torch.bfloat16
 
@@ -124,39 +130,29 @@ def build(
     max_rows: int,
     max_blocks: int,
 ) -> DecodeLogits | None:
-    """The one-call step where the stack exists and the ends fit the kernels the two-call path
-    runs on them (a contiguous embedding table and norm in the stack's dtype; in bf16 an LM head
-    packed for cpu_gemm, in float32 a plain contiguous one); else None."""
+    """The one-call step where the stack exists and its ends run on the kernels the two-call
+    path runs on them (a contiguous embedding table in the stack's dtype, a final norm the C
+    RMSNorm takes, an LM head the stack's GEMM reads: packed tiles in bf16, a plain weight in
+    float32); else None."""
     if stack is None or max_rows < 1 or max_blocks < 1:
         return None
     dtype, hidden = stack.dtype, stack.hidden
+    row = torch.empty(1, hidden, dtype=dtype)
     if not (
-        embed.dtype == norm.dtype == dtype
-        and embed.device.type == norm.device.type == "cpu"
+        embed.dtype == dtype
+        and embed.device.type == "cpu"
         and embed.dim() == 2
         and embed.shape[1] == hidden
         and embed.is_contiguous()
-        and norm.shape == (hidden,)
-        and norm.is_contiguous()
+        and cpu_elementwise.supports_rms_norm(row, norm, torch.empty(1, hidden))
     ):
         return None
     if dtype == _BF16:
-        if not (
-            isinstance(lm_head, cpu_linear.PackedLinear)
-            and lm_head.tiles is not None
-            and lm_head.in_features == hidden
-        ):
+        if not (cpu_decode_step.is_packed(lm_head) and lm_head.in_features == hidden):
             return None
-        return DecodeLogits(
-            stack, embed, norm, lm_head.tiles, lm_head.out_features, max_rows, max_blocks
-        )
-    if not (
-        isinstance(lm_head, torch.Tensor)
-        and lm_head.dtype == torch.float32
-        and lm_head.device.type == "cpu"
-        and lm_head.dim() == 2
-        and lm_head.shape[1] == hidden
-        and lm_head.is_contiguous()
-    ):
-        return None
-    return DecodeLogits(stack, embed, norm, lm_head, lm_head.shape[0], max_rows, max_blocks)
+        weight, rows = lm_head.tiles, lm_head.out_features
+    else:
+        weight, rows = lm_head, lm_head.shape[0] if isinstance(lm_head, torch.Tensor) else 0
+        if not cpu_decode_step.is_plain_f32(weight, rows, hidden):
+            return None
+    return DecodeLogits(stack, embed, norm, weight, rows, max_rows, max_blocks)

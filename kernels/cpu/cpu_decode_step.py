@@ -259,7 +259,8 @@ class DecodeStack:
         )
 
 
-def _packed(weight: object) -> bool:
+def is_packed(weight: object) -> bool:
+    """A bf16 weight packed with tiles that cpu_gemm reads (`cpu_linear.pack`)."""
     return isinstance(weight, cpu_linear.PackedLinear) and weight.tiles is not None
 
 
@@ -292,7 +293,7 @@ class _Probe:
         )
 
 
-def _plain_f32(weight: object, rows: int, cols: int) -> bool:
+def is_plain_f32(weight: object, rows: int, cols: int) -> bool:
     """A plain float32 weight [rows, cols] that cpu_gemm_f32 reads in place."""
     return (
         isinstance(weight, torch.Tensor)
@@ -328,7 +329,7 @@ def build(
     for w, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         if dtype == _BF16:
             weights_fit = (
-                all(_packed(p) for p in (w.qkv, w.o, w.gate_up, w.down))
+                all(is_packed(p) for p in (w.qkv, w.o, w.gate_up, w.down))
                 and (w.qkv.out_features, w.qkv.in_features) == (qkv_n, hidden)
                 and (w.o.out_features, w.o.in_features) == (hidden, q_size)
                 and (w.gate_up.out_features, w.gate_up.in_features) == (gate_up_n, hidden)
@@ -336,10 +337,10 @@ def build(
             )
         else:
             weights_fit = (
-                _plain_f32(w.qkv, qkv_n, hidden)
-                and _plain_f32(w.o, hidden, q_size)
-                and _plain_f32(w.gate_up, gate_up_n, hidden)
-                and _plain_f32(w.down, hidden, shape.intermediate)
+                is_plain_f32(w.qkv, qkv_n, hidden)
+                and is_plain_f32(w.o, hidden, q_size)
+                and is_plain_f32(w.gate_up, gate_up_n, hidden)
+                and is_plain_f32(w.down, hidden, shape.intermediate)
             )
         if not (
             weights_fit

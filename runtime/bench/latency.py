@@ -20,7 +20,10 @@ one-call step; the host's CPU flags are reported with them.
 
 `--baseline library` also runs every batch size and prompt with kvfleet's own GEMMs switched
 off (every projection on torch's oneDNN or MKL, and so op by op, no fused step), taking turns
-with the default path: what those kernels gain, measured in the same run.
+with the default path: what those kernels gain, measured in the same run. `--baseline two-call`
+runs every batch size again with decode steps in two calls (the fused stack, then the final
+norm, LM head and sampling from Python) instead of one from token ids to logits: what the one
+call gains, in turns.
 """
 
 from __future__ import annotations
@@ -75,10 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed prompts per length (default 3)")
     p.add_argument(
         "--baseline",
-        choices=("none", "library"),
+        choices=("none", "library", "two-call"),
         default="none",
         help="library: also time each row with kvfleet's GEMMs off (torch's oneDNN/MKL, op by "
-        "op), in turns with the default path",
+        "op), in turns with the default path; two-call: each decode row with decode steps in "
+        "two calls (the fused stack, then the LM head from Python) instead of one call from "
+        "token ids to logits, in turns",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     add_engine_args(p)
@@ -281,6 +286,19 @@ def library_gemms() -> Iterator[None]:
             setattr(module, name, value)
 
 
+@contextlib.contextmanager
+def two_calls(engine: Any) -> Iterator[None]:
+    """Decode steps in two calls for the block (the fused stack, then the final norm, LM head
+    and sampling from Python): what the one call from token ids to logits replaced."""
+    runner = engine.runner
+    saved = runner.one_call_shape
+    runner.one_call_shape = None
+    try:
+        yield
+    finally:
+        runner.one_call_shape = saved
+
+
 def _prompt(rng: Any, pool: Any, tokens: int) -> list[int]:
     return rng.choice(pool, size=tokens).tolist()
 
@@ -415,6 +433,9 @@ def measure(args: argparse.Namespace) -> dict:
     weight = _projection_weight(engine)
     max_batched = engine.scheduler.config.max_num_batched_tokens
 
+    # The baseline's switch, for decode rows; prompts are compared only with the library's
+    # GEMMs (the one call is for decode steps).
+    baseline = {"library": library_gemms, "two-call": lambda: two_calls(engine)}.get(args.baseline)
     with_baseline = args.baseline == "library"
 
     def decode(n: int) -> dict:
@@ -429,8 +450,8 @@ def measure(args: argparse.Namespace) -> dict:
         before = measure_read_rate(device, probe)
         decode_raw.append((n, decode(n)))
         beside[n] = max(before, measure_read_rate(device, probe))
-        if with_baseline:
-            with library_gemms():
+        if baseline is not None:
+            with baseline():
                 decode_base[n] = {**decode(n), "gemm_path": dispatch.linear_path(weight, n)}
     ttft_raw, ttft_base = [], {}
     for t in prompts:
@@ -552,7 +573,7 @@ def _print(report: dict) -> None:
             b = r["baseline"]
             print(
                 f"{'':>5} {b['step_median_ms']:>9.2f} {b['step_min_ms']:>7.2f}  baseline "
-                f"({b['gemm_path']}, fused {b['fused_steps']}/{r['steps']}): "
+                f"{report['baseline']} ({b['gemm_path']}, fused {b['fused_steps']}/{r['steps']}): "
                 f"{r['speedup_over_baseline']:.2f}x"
             )
     print(f"{'prompt':>7} {'TTFT ms':>9} {'min':>8} {'bound':>8} {'x bound':>8}  path")

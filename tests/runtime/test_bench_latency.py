@@ -117,3 +117,35 @@ def test_library_baseline_times_every_row_with_torchs_gemms(tiny_llama_dir, tmp_
             r["baseline"]["ttft_median_ms"] / r["ttft_median_ms"]
         )
     assert limits == (cpu_gemm.MAX_ROWS, cpu_gemm.VECTOR_MAX_ROWS, cpu_gemm_f32.MAX_ROWS)
+
+
+def test_two_call_baseline_times_decode_rows_without_the_one_call(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """--baseline two-call runs each decode row again with decode steps in two calls (the fused
+    stack, then the LM head from Python): the same kernels, so the same path and fused steps;
+    the one call runs for the default rows only, and prompts get no baseline."""
+    from kvfleet.kernels.cpu import cpu_decode_logits
+
+    calls: list[int] = []
+    run = cpu_decode_logits.DecodeLogits.run
+
+    def counted(self, input_ids, *args):
+        calls.append(len(input_ids))
+        return run(self, input_ids, *args)
+
+    monkeypatch.setattr(cpu_decode_logits.DecodeLogits, "run", counted)
+    report = _run(tiny_llama_dir, tmp_path, "--sequences", "1", "--baseline", "two-call")
+    assert report["baseline"] == "two-call"
+    (row,) = report["decode"]
+    base = row["baseline"]
+    assert base["gemm_path"] == row["gemm_path"] and base["fused_steps"] == row["fused_steps"]
+    assert row["speedup_over_baseline"] == pytest.approx(
+        base["step_median_ms"] / row["step_median_ms"]
+    )
+    assert all(r["baseline"] is None for r in report["ttft"])
+    if row["fused_steps"]:  # the fused stack runs here: so does the one call, default rows only
+        with_baseline = len(calls)
+        calls.clear()
+        _run(tiny_llama_dir, tmp_path, "--sequences", "1", "--prompts", "8")
+        assert with_baseline == len(calls) > 0
