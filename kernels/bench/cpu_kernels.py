@@ -111,6 +111,7 @@ class Float32Row:
     kernel_ms: float
     speedup: float
     kernel_tflops: float | None  # where the work is matmul FLOPs
+    kernel_gbps: float | None = None  # where the work is reading memory (decode attention)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -513,16 +514,53 @@ def float32_elementwise_row(torch, rows: int, iters: int) -> Float32Row:
     return Float32Row(f"rows={rows}", torch_ms, kernel_ms, torch_ms / kernel_ms, None)
 
 
+def float32_decode_row(
+    torch, iters: int, seqs: int = DECODE_SEQS, layers: int = DECODE_LAYERS, shuffled: bool = True
+) -> Float32Row:
+    """Decode attention on a float32 cache (the C kernel's portable path, built for AVX-512 or
+    AVX2) against the torch reference, over `layers` distinct caches per timed call."""
+    from kvfleet.kernels import reference
+    from kvfleet.kernels.cpu import cpu_attention
+
+    rng = random.Random(0)
+    lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
+    gen = torch.Generator().manual_seed(2)
+    caches = [_paged_cache(torch, lens, gen, shuffled, torch.float32) for _ in range(layers)]
+    q = torch.randn(seqs, NUM_HEADS, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale, max_len = HEAD_DIM**-0.5, max(lens)
+
+    def over_layers(fn):
+        return lambda: [fn(q, k, v, t, seq_lens, max_len, scale) for k, v, t in caches]
+
+    k0, v0, t0 = caches[0]
+    _verify(torch, "float32 decode attention",
+            cpu_attention.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale),
+            reference.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale),
+            F32_VERIFY_TOLERANCE)  # fmt: skip
+    # The reference gathers a padded copy per call: a few calls tell its speed.
+    torch_ms = min_ms(over_layers(reference.decode_attention), min(iters, 3)) / layers
+    kernel_ms = min_ms(over_layers(cpu_attention.decode_attention), iters) / layers
+    kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * 4 * 2  # K and V, float32
+    order = "shuffled" if shuffled else "consecutive"
+    return Float32Row(f"seqs={seqs} {order}", torch_ms, kernel_ms, torch_ms / kernel_ms, None,
+                      kv_bytes / (kernel_ms * 1e-3) / 1e9)  # fmt: skip
+
+
 def float32_rows(torch, iters: int) -> dict:
     """The float32 sections, or empty ones where the build has neither AVX-512 nor AVX2 + FMA
     (no kernel to time)."""
     from kvfleet.kernels.cpu import cpu_gemm_f32
 
     if not cpu_gemm_f32.available():
-        return {"prefill": [], "projections": [], "elementwise": []}
+        return {"prefill": [], "decode": [], "projections": [], "elementwise": []}
     weights = step_weights(torch, GEMM_LAYERS, torch.float32)
     return {
         "prefill": [asdict(float32_prefill_row(torch, q, c, iters)) for q, c in F32_PREFILL_SHAPES],
+        "decode": [
+            asdict(float32_decode_row(torch, iters, DECODE_SEQS, DECODE_LAYERS, shuffled))
+            for shuffled in (True, False)
+        ],
         "projections": [asdict(float32_gemm_row(torch, r, weights, iters)) for r in F32_GEMM_ROWS],
         "elementwise": [
             asdict(float32_elementwise_row(torch, r, iters)) for r in F32_ELEMENTWISE_ROWS
@@ -637,6 +675,8 @@ def print_report(report: dict) -> None:
     f32 = report["float32"]
     titles = {
         "prefill": "float32 prefill attention, ms per layer: SDPA vs cpu_prefill_f32 (AVX-512 or AVX2)",
+        "decode": "float32 decode attention, ms per layer: torch (gather + matmuls) vs C (AVX-512 "
+        "or AVX2)",
         "projections": "float32 projections per step (30 layers + LM head), ms: F.linear (MKL) "
         "vs cpu_gemm_f32",
         "elementwise": "float32 RMSNorm + rotary/cache + SiLU-and-mul, one layer, ms: torch vs C",
@@ -646,7 +686,12 @@ def print_report(report: dict) -> None:
             continue
         print(title)
         for r in f32[section]:
+            rate = (
+                f"{_fmt(r['kernel_gbps'], '.1f')} GB/s of K/V"
+                if r.get("kernel_gbps")
+                else f"{_fmt(r['kernel_tflops'], '.3f')} TFLOP/s"
+            )
             print(
-                f"  {r['shape']:>16} {r['torch_ms']:>9.2f} {r['kernel_ms']:>9.2f} "
-                f"{r['speedup']:>6.2f}x  {_fmt(r['kernel_tflops'], '.3f')} TFLOP/s"
+                f"  {r['shape']:>20} {r['torch_ms']:>9.2f} {r['kernel_ms']:>9.2f} "
+                f"{r['speedup']:>6.2f}x  {rate}"
             )

@@ -526,23 +526,27 @@ static void attend_group_bf16(Scratch *s, const float *query, float *out, float 
             vp[j] = v_cache + (piece < pieces ? offset : 0);
             if (n[j] == 0) kp[j] = kp[0];
         }
+        /* As in attend_group: blocks are scattered, so the next one(s) are fetched ahead, a
+         * slice of their lines before each head's scores. */
+        size_t next[2];
+        int num_next = 0;
         if (c + 2 < pieces && (c + 2) % pieces_per_block == 0) {
-            /* As in attend_group: blocks are scattered, so fetch the next one(s) ahead. */
-            const int next_first = (c + 2) / pieces_per_block;
             const int next_last = ((c + 3 < pieces ? c + 3 : c + 2)) / pieces_per_block;
-            for (int b = next_first; b <= next_last; b++) {
-                const size_t next = ((size_t)kvh * num_blocks + (size_t)table[b]) * block_elems;
-                for (size_t e = 0; e < block_elems; e += 32) {
-                    __builtin_prefetch(k_cache + next + e);
-                    __builtin_prefetch(v_cache + next + e);
-                }
-            }
+            for (int b = (c + 2) / pieces_per_block; b <= next_last; b++)
+                next[num_next++] = ((size_t)kvh * num_blocks + (size_t)table[b]) * block_elems;
         }
         for (int g0 = 0; g0 < group; g0 += MAX_HEADS_PER_PASS) {
             const int G = group - g0 < MAX_HEADS_PER_PASS ? group - g0 : MAX_HEADS_PER_PASS;
             __m512 corr[MAX_HEADS_PER_PASS];
             for (int j = 0; j < G; j++) {
                 const int g = g0 + j;
+                for (int b = 0; b < num_next; b++) {
+                    const size_t lo = block_elems * g / group / 32 * 32;
+                    for (size_t e = lo; e < block_elems * (g + 1) / group; e += 32) {
+                        __builtin_prefetch(k_cache + next[b] + e);
+                        __builtin_prefetch(v_cache + next[b] + e);
+                    }
+                }
                 const uint16_t *q = s->qb + (size_t)g * D;
                 const __m512 s0 = _mm512_mul_ps(scores16_bf16(q, kp[0], D), vscale);
                 const __m512 s1 = _mm512_mul_ps(scores16_bf16(q, kp[1], D), vscale);

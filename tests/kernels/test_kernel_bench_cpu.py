@@ -83,12 +83,14 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     f32 = report["float32"]
     if cpu_gemm_f32.available():
         assert [r["shape"] for r in f32["prefill"]] == ["q=20 ctx=50"]
+        assert [r["shape"] for r in f32["decode"]] == ["seqs=2 shuffled", "seqs=2 consecutive"]
+        assert all(r["kernel_gbps"] > 0 for r in f32["decode"])
         assert [r["shape"] for r in f32["projections"]] == ["rows=1", "rows=7"]
         assert [r["shape"] for r in f32["elementwise"]] == ["rows=5"]
         row = f32["projections"][1]
         assert row["speedup"] == pytest.approx(row["torch_ms"] / row["kernel_ms"])
     else:
-        assert f32 == {"prefill": [], "projections": [], "elementwise": []}
+        assert f32 == {"prefill": [], "decode": [], "projections": [], "elementwise": []}
     assert "prefill attention" in capsys.readouterr().out
 
 
@@ -101,9 +103,22 @@ def _eps_wrong(real):
     return lambda x, w, eps, residual=None: real(x, w, eps * 1e4, residual)
 
 
+def _scaled_wrong(real):
+    """Decode attention with a wrong scale on float32 caches only (the bf16 rows stay right)."""
+
+    def wrong(q, k, v, tables, lens, max_len, scale):
+        return real(q, k, v, tables, lens, max_len, scale * (2 if q.dtype == torch.float32 else 1))
+
+    return wrong
+
+
 @pytest.mark.parametrize(
     "module,name,break_it",
-    [(cpu_gemm_f32, "linear", _first_column_wrong), (cpu_elementwise, "rms_norm", _eps_wrong)],
+    [
+        (cpu_gemm_f32, "linear", _first_column_wrong),
+        (cpu_elementwise, "rms_norm", _eps_wrong),
+        (cpu_attention, "decode_attention", _scaled_wrong),
+    ],
 )
 def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module, name, break_it):
     if not cpu_gemm_f32.available():
