@@ -24,3 +24,20 @@ def tiny_server(
 def tiny_client(tiny_server: ServerProcess) -> openai.OpenAI:
     """The official OpenAI client pointed at `tiny_server`."""
     return openai.OpenAI(base_url=tiny_server.api_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def one_calls(monkeypatch) -> list[int]:
+    """The row count of every decode step run as one C call from token ids to logits
+    (`DecodeLogits.run`), in order; the calls still run."""
+    from kvfleet.kernels.cpu import cpu_decode_logits
+
+    calls: list[int] = []
+    run = cpu_decode_logits.DecodeLogits.run
+
+    def counted(self, input_ids, *args):
+        calls.append(len(input_ids))
+        return run(self, input_ids, *args)
+
+    monkeypatch.setattr(cpu_decode_logits.DecodeLogits, "run", counted)
+    return calls

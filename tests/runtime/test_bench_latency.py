@@ -120,21 +120,12 @@ def test_library_baseline_times_every_row_with_torchs_gemms(tiny_llama_dir, tmp_
 
 
 def test_two_call_baseline_times_decode_rows_without_the_one_call(
-    tiny_llama_dir, tmp_path, monkeypatch
+    tiny_llama_dir, tmp_path, one_calls
 ):
     """--baseline two-call runs each decode row again with decode steps in two calls (the fused
     stack, then the LM head from Python): the same kernels, so the same path and fused steps;
     the one call runs for the default rows only, and prompts get no baseline."""
-    from kvfleet.kernels.cpu import cpu_decode_logits
-
-    calls: list[int] = []
-    run = cpu_decode_logits.DecodeLogits.run
-
-    def counted(self, input_ids, *args):
-        calls.append(len(input_ids))
-        return run(self, input_ids, *args)
-
-    monkeypatch.setattr(cpu_decode_logits.DecodeLogits, "run", counted)
+    calls = one_calls
     report = _run(tiny_llama_dir, tmp_path, "--sequences", "1", "--baseline", "two-call")
     assert report["baseline"] == "two-call"
     (row,) = report["decode"]

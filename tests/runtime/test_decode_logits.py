@@ -111,19 +111,12 @@ def test_no_one_call_without_the_fused_stack(tiny_llama_dir):
 
 
 def test_engine_decodes_in_one_call_with_the_two_call_paths_tokens_and_logprobs(
-    tiny_llama_dir, monkeypatch
+    tiny_llama_dir, one_calls
 ):
     dtype = "bfloat16" if cpu_gemm.available() else "float32"
     if dtype == "float32" and not cpu_gemm_f32.available():
         pytest.skip("no C GEMM here: the fused steps need one")
-    calls: list[int] = []
-    run = cpu_decode_logits.DecodeLogits.run
-
-    def counted(self, input_ids, *args):
-        calls.append(len(input_ids))
-        return run(self, input_ids, *args)
-
-    monkeypatch.setattr(cpu_decode_logits.DecodeLogits, "run", counted)
+    calls = one_calls
     prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     results = {}
