@@ -232,6 +232,51 @@ def _attention_flops(q_len: int, ctx: int) -> float:
     return 4 * NUM_HEADS * HEAD_DIM * pairs
 
 
+@dataclass(slots=True)
+class DecodeCase:
+    """A decode step's attention inputs: `seqs` sequences of 100-700 tokens over `layers`
+    distinct K/V caches (a step's worth, far past any CPU cache), shared by the bf16 and float32
+    rows."""
+
+    lens: list[int]
+    caches: list  # (k, v, block tables) per layer
+    q: object
+    seq_lens: object
+    max_len: int
+    scale: float
+
+    def first_layer(self, fn):
+        """`fn`'s output for the first layer's cache (what a path is verified on)."""
+        k, v, tables = self.caches[0]
+        return fn(self.q, k, v, tables, self.seq_lens, self.max_len, self.scale)
+
+    def ms_per_layer(self, fn, iters: int) -> float:
+        """The minimum over `iters` calls of `fn` over every layer's cache, per layer."""
+
+        def call():
+            for k, v, tables in self.caches:
+                fn(self.q, k, v, tables, self.seq_lens, self.max_len, self.scale)
+
+        return min_ms(call, iters) / len(self.caches)
+
+    def gbps(self, ms: float | None) -> float | None:
+        """The K/V read rate of a layer taking `ms`."""
+        itemsize = self.caches[0][0].element_size()
+        kv_bytes = sum(self.lens) * NUM_KV_HEADS * HEAD_DIM * itemsize * 2  # K and V
+        return kv_bytes / (ms * 1e-3) / 1e9 if ms else None
+
+
+def decode_case(torch, seqs: int, layers: int, shuffled: bool, dtype, seed: int) -> DecodeCase:
+    """A DecodeCase in `dtype` (caches and queries), the same context lengths for every dtype."""
+    rng = random.Random(0)
+    lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
+    gen = torch.Generator().manual_seed(seed)
+    caches = [_paged_cache(torch, lens, gen, shuffled, dtype) for _ in range(layers)]
+    q = torch.randn(seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return DecodeCase(lens, caches, q, seq_lens, max(lens), HEAD_DIM**-0.5)
+
+
 def decode_row(
     torch, iters: int, seqs: int = DECODE_SEQS, layers: int = DECODE_LAYERS, shuffled: bool = True
 ) -> DecodeRow:
@@ -240,45 +285,25 @@ def decode_row(
     from kvfleet.kernels import reference
     from kvfleet.kernels.cpu import cpu_attention
 
-    rng = random.Random(0)
-    lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
-    gen = torch.Generator().manual_seed(1)
-    caches = [_paged_cache(torch, lens, gen, shuffled) for _ in range(layers)]
-    q = torch.randn(seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    scale, max_len = HEAD_DIM**-0.5, max(lens)
-
-    def over_layers(fn):
-        def call():
-            for k, v, tables in caches:
-                fn(q, k, v, tables, seq_lens, max_len, scale)
-
-        return call
-
-    k0, v0, t0 = caches[0]
-    want = reference.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale)
+    case = decode_case(torch, seqs, layers, shuffled, torch.bfloat16, seed=1)
+    want = case.first_layer(reference.decode_attention)
     # The reference gathers a padded copy per call: a few calls tell its speed.
-    reference_ms = min_ms(over_layers(reference.decode_attention), min(iters, 3)) / layers
+    reference_ms = case.ms_per_layer(reference.decode_attention, min(iters, 3))
 
     def path_ms(allow_amx: bool) -> float:
         previous = cpu_attention.ALLOW_AMX
         cpu_attention.ALLOW_AMX = allow_amx
         try:
-            got = cpu_attention.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale)
+            got = case.first_layer(cpu_attention.decode_attention)
             _verify(torch, f"decode ({'AMX' if allow_amx else 'dot'} path)", got, want)
-            return min_ms(over_layers(cpu_attention.decode_attention), iters) / layers
+            return case.ms_per_layer(cpu_attention.decode_attention, iters)
         finally:
             cpu_attention.ALLOW_AMX = previous
 
     dot_ms = path_ms(False) if cpu_attention.uses_bf16_dot() else None
     amx_ms = path_ms(True) if cpu_attention.uses_amx() else None
-    kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-
-    def gbps(ms):
-        return kv_bytes / (ms * 1e-3) / 1e9 if ms else None
-
     return DecodeRow(
-        "shuffled" if shuffled else "consecutive", seqs, sum(lens), reference_ms, dot_ms, amx_ms, gbps(dot_ms), gbps(amx_ms),
+        "shuffled" if shuffled else "consecutive", seqs, sum(case.lens), reference_ms, dot_ms, amx_ms, case.gbps(dot_ms), case.gbps(amx_ms),
         dot_ms / amx_ms if dot_ms and amx_ms else None,
     )  # fmt: skip
 
@@ -522,29 +547,15 @@ def float32_decode_row(
     from kvfleet.kernels import reference
     from kvfleet.kernels.cpu import cpu_attention
 
-    rng = random.Random(0)
-    lens = [rng.randint(DECODE_MIN_CTX, DECODE_MAX_CTX) for _ in range(seqs)]
-    gen = torch.Generator().manual_seed(2)
-    caches = [_paged_cache(torch, lens, gen, shuffled, torch.float32) for _ in range(layers)]
-    q = torch.randn(seqs, NUM_HEADS, HEAD_DIM, generator=gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    scale, max_len = HEAD_DIM**-0.5, max(lens)
-
-    def over_layers(fn):
-        return lambda: [fn(q, k, v, t, seq_lens, max_len, scale) for k, v, t in caches]
-
-    k0, v0, t0 = caches[0]
-    _verify(torch, "float32 decode attention",
-            cpu_attention.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale),
-            reference.decode_attention(q, k0, v0, t0, seq_lens, max_len, scale),
-            F32_VERIFY_TOLERANCE)  # fmt: skip
+    case = decode_case(torch, seqs, layers, shuffled, torch.float32, seed=2)
+    _verify(torch, "float32 decode attention", case.first_layer(cpu_attention.decode_attention),
+            case.first_layer(reference.decode_attention), F32_VERIFY_TOLERANCE)  # fmt: skip
     # The reference gathers a padded copy per call: a few calls tell its speed.
-    torch_ms = min_ms(over_layers(reference.decode_attention), min(iters, 3)) / layers
-    kernel_ms = min_ms(over_layers(cpu_attention.decode_attention), iters) / layers
-    kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * 4 * 2  # K and V, float32
+    torch_ms = case.ms_per_layer(reference.decode_attention, min(iters, 3))
+    kernel_ms = case.ms_per_layer(cpu_attention.decode_attention, iters)
     order = "shuffled" if shuffled else "consecutive"
     return Float32Row(f"seqs={seqs} {order}", torch_ms, kernel_ms, torch_ms / kernel_ms, None,
-                      kv_bytes / (kernel_ms * 1e-3) / 1e9)  # fmt: skip
+                      case.gbps(kernel_ms))  # fmt: skip
 
 
 def float32_rows(torch, iters: int) -> dict:
