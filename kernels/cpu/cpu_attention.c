@@ -339,12 +339,6 @@ static void attend_group(Scratch *s, const float *query, float *out, float *part
          * 96-104 -> 75 ms with consecutive ones. (The bf16 dot path keeps to L1: L2 prefetches
          * there ran slower with shuffled blocks, 72 -> 93 ms, though faster with consecutive
          * ones, 62 -> 47 ms.) The last line of a slice may be asked twice, which costs nothing. */
-        const char *next_k = NULL, *next_v = NULL;
-        if (b + 1 < nblocks) {
-            const size_t next = ((size_t)kvh * num_blocks + (size_t)table[b + 1]) * block_bytes;
-            next_k = (const char *)k_cache + next;
-            next_v = (const char *)v_cache + next;
-        }
         const float *k, *v;
         if (dtype == DTYPE_BFLOAT16) {
             widen_bf16(s->kf, (const uint16_t *)k_cache + offset, n * D);
@@ -363,21 +357,20 @@ static void attend_group(Scratch *s, const float *query, float *out, float *part
 
         /* K and V blocks now sit in L1: every head of the group reuses them. */
         for (int g = 0; g < group; g++) {
-            if (next_k) {
-                const size_t lo = block_bytes * g / group / 64 * 64;
-                for (size_t line = lo; line < block_bytes * (g + 1) / group; line += 64) {
-                    __builtin_prefetch(next_k + line);
-                    __builtin_prefetch(next_v + line);
-                }
-            }
-            for (int ahead = 2; ahead <= 3 && b + ahead < nblocks; ahead++) {
+            const size_t lo = block_bytes * g / group / 64 * 64;
+            const size_t hi = block_bytes * (g + 1) / group;
+            for (int ahead = 1; ahead <= 3 && b + ahead < nblocks; ahead++) {
                 const size_t at =
                     ((size_t)kvh * num_blocks + (size_t)table[b + ahead]) * block_bytes;
-                const char *k2 = (const char *)k_cache + at, *v2 = (const char *)v_cache + at;
-                const size_t lo = block_bytes * g / group / 64 * 64;
-                for (size_t line = lo; line < block_bytes * (g + 1) / group; line += 64) {
-                    __builtin_prefetch(k2 + line, 0, 1);
-                    __builtin_prefetch(v2 + line, 0, 1);
+                const char *ka = (const char *)k_cache + at, *va = (const char *)v_cache + at;
+                for (size_t line = lo; line < hi; line += 64) {
+                    if (ahead == 1) { /* the locality must be a constant: a call per level */
+                        __builtin_prefetch(ka + line);
+                        __builtin_prefetch(va + line);
+                    } else {
+                        __builtin_prefetch(ka + line, 0, 1);
+                        __builtin_prefetch(va + line, 0, 1);
+                    }
                 }
             }
             const float *qg = s->q + (size_t)g * D;
