@@ -1,6 +1,6 @@
 """Names the runtime and the operator must agree on: ports, paths and metric names.
 
-Torch-free and kopf-free on purpose: both halves import it (DESIGN.md, "Boundaries").
+Torch-free and kopf-free on purpose: both halves import it (docs/architecture.md, "Boundaries").
 The runtime metric names match vLLM's so existing dashboards and alerts work unchanged.
 """
 

@@ -2,7 +2,7 @@
 and the router share.
 
 Torch-free and kopf-free, like contract.py: the operator and `kvfleet router` both import it,
-and neither may import the other's half (DESIGN.md, "Boundaries").
+and neither may import the other's half (docs/architecture.md, "Boundaries").
 
 Several series per metric (one per `model_name` label set) are combined per page:
 - waiting and running requests are counts, so they are summed;

@@ -1,5 +1,6 @@
 """What a source file imports, read with `ast` (function-local imports too, relative ones
-resolved), for the tests that hold the folders to DESIGN.md's boundaries."""
+resolved), for the tests that hold the folders to their boundaries (docs/architecture.md,
+"Boundaries")."""
 
 from __future__ import annotations
 

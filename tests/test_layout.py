@@ -1,7 +1,7 @@
-"""The folders keep DESIGN.md's boundaries: the runtime never imports the operator, kopf or
-kubernetes; its engine and models never import its server or benchmarks; the router never
-imports the engine or torch; the operator never imports torch or the runtime. And pyproject
-ships every package, with the C sources."""
+"""The folders keep their boundaries (docs/architecture.md, "Boundaries"): the runtime never
+imports the operator, kopf or kubernetes; its engine and models never import its server or
+benchmarks; the router never imports the engine or torch; the operator never imports torch or
+the runtime. And pyproject ships every package, with the C sources."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The two images install what their side imports and nothing heavier, and start a command the
-CLI really has. The operator image must never pull torch (DESIGN.md, "Boundaries")."""
+CLI really has. The operator image must never pull torch (docs/architecture.md, "Boundaries")."""
 
 from __future__ import annotations
 

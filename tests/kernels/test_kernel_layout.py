@@ -1,6 +1,7 @@
-"""The kernels folder keeps its boundary (DESIGN.md, "Layout": it may import torch and triton,
-never the runtime), its Triton sub-package does not hide the Triton library, the C library is
-built from every source in kernels/cpu/. (That wheels carry every package: tests/test_layout.py.)"""
+"""The kernels folder keeps its boundary (docs/architecture.md, "Layout": it may import torch
+and triton, never the runtime), its Triton sub-package does not hide the Triton library, the C
+library is built from every source in kernels/cpu/. (That wheels carry every package:
+tests/test_layout.py.)"""
 
 from __future__ import annotations
 
