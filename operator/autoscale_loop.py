@@ -405,7 +405,7 @@ def _poll_interval(spec: Mapping[str, Any]) -> float:
     try:
         return parse_autoscaling(spec.get("autoscaling")).check().poll_interval_seconds
     except SpecError:
-        return AutoscalingSpec().poll_interval_seconds
+        return parse_autoscaling(None).poll_interval_seconds
 
 
 def register(registry: kopf.OperatorRegistry, config: Any) -> None:

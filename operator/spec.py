@@ -1,31 +1,36 @@
-"""The InferenceService spec as typed dataclasses, with the same defaults as the CRD schema.
+"""The InferenceService spec as typed dataclasses, its defaults taken from the CRD file.
 
-The API server applies the schema's defaults before the operator sees an object; parsing again
-here keeps rendering correct against servers that do not (the test emulator, an outdated CRD),
-and a test checks that these defaults equal the CRD's.
+The API server applies the schema's defaults before the operator sees an object; parsing
+applies them again (crd_defaults.py, from the same CRD file) so that rendering stays correct
+against servers that do not (the test emulator, an outdated CRD). The dataclasses hold no
+defaults of their own: every value comes from the object or the CRD.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from kvfleet.operator.crd_defaults import apply_defaults, section_schema, spec_schema
+from kvfleet.operator.spec_fields import (
+    SpecError,
+    defaulted_at,
+    defaulted_quantity_at,
+    object_at,
+    quantity_at,
+    strings_at,
+    value_at,
+)
 
 DEFAULT_IMAGE = "ghcr.io/kvfleet/runtime:0.1.0"
 METRICS_SOURCES: tuple[str, ...] = ("scrape", "prometheus")
 
 
-class SpecError(ValueError):
-    """A spec field has the wrong type; `field` is its dotted path (e.g. spec.runtime.blockSize)."""
-
-    def __init__(self, field_path: str, message: str) -> None:
-        super().__init__(f"{field_path}: {message}")
-        self.field = field_path
-        self.message = message
-
-
-@dataclass(slots=True, frozen=True)
+# kw_only and no defaults: each field is named where a spec is built, and its value comes from
+# the object or the CRD's schema (crd_defaults.py), never from a copy kept here.
+@dataclass(slots=True, frozen=True, kw_only=True)
 class SecretKeyRef:
     """A key inside a Secret in the InferenceService's namespace."""
 
@@ -33,74 +38,74 @@ class SecretKeyRef:
     key: str
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class ModelCacheSpec:
     """`spec.model.cache`: a PersistentVolumeClaim that holds the Hugging Face cache."""
 
     pvc: str
-    read_only: bool = False  # the claim is filled beforehand: no download step
+    read_only: bool  # the claim is filled beforehand: no download step
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class ModelSpec:
     """Which model to serve, under which name, and (hf://) how its download is kept."""
 
     uri: str
-    served_name: str = ""
-    hf_token_secret_ref: SecretKeyRef | None = None
-    size_hint: str | None = None  # a byte quantity; None: model_cache.DEFAULT_SIZE_HINT
-    cache: ModelCacheSpec | None = None  # None: an emptyDir per pod
+    served_name: str  # "": the InferenceService's name
+    hf_token_secret_ref: SecretKeyRef | None
+    size_hint: str | None  # a byte quantity; None: model_cache.DEFAULT_SIZE_HINT
+    cache: ModelCacheSpec | None  # None: an emptyDir per pod
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class RuntimeSpec:
     """Engine settings; each becomes a `kvfleet serve` flag."""
 
-    image: str | None = None  # None: the operator's --default-runtime-image
-    image_pull_policy: str = "IfNotPresent"
-    max_model_len: int = 4096
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    kv_cache_memory_fraction: float = 0.9
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    drain_timeout_seconds: int = 30
-    extra_args: tuple[str, ...] = ()
+    image: str | None  # None: the operator's --default-runtime-image
+    image_pull_policy: str
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    kv_cache_memory_fraction: float
+    dtype: str
+    tensor_parallel_size: int
+    drain_timeout_seconds: int
+    extra_args: tuple[str, ...]
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class ResourcesSpec:
     """Per-replica resources; `gpus` becomes the `nvidia.com/gpu` request and limit."""
 
-    gpus: int = 1
-    cpu: str = "4"
-    memory: str = "16Gi"
-    ephemeral_storage: str | None = None  # None: derived for hf:// caches, else no request
-    shm_size: str | None = None  # None: /dev/shm bounded by the memory limit alone
+    gpus: int
+    cpu: str
+    memory: str
+    ephemeral_storage: str | None  # None: derived for hf:// caches, else no request
+    shm_size: str | None  # None: /dev/shm bounded by the memory limit alone
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class AutoscalingSpec:
     """`spec.autoscaling`: load-based autoscaling on queue depth and KV-cache usage.
 
     `parse_autoscaling` checks the types; `check` the limits the autoscaler needs.
     """
 
-    enabled: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_depth: float = 4
-    target_kv_cache_usage: float = 0.8
-    scale_up_stabilization_seconds: int = 0
-    scale_down_stabilization_seconds: int = 300
-    poll_interval_seconds: int = 15
-    metrics_source: str = "scrape"  # one of METRICS_SOURCES once checked
-    prometheus_url: str | None = None
+    enabled: bool
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: float
+    target_kv_cache_usage: float
+    scale_up_stabilization_seconds: int
+    scale_down_stabilization_seconds: int
+    poll_interval_seconds: int
+    metrics_source: str  # one of METRICS_SOURCES once checked
+    prometheus_url: str | None
     # With minReplicas 0: seconds without any request before the last replica goes (idle.py).
-    scale_to_zero_after_seconds: int = 300
+    scale_to_zero_after_seconds: int
 
     def check(self) -> AutoscalingSpec:
         """This spec if the autoscaler can work with it; else SpecError naming the field and limit.
@@ -176,26 +181,26 @@ class AutoscalingSpec:
 ROUTER_MODES: tuple[str, ...] = ("kvfleet", "inferencePool")
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class EndpointPickerRef:
     """`spec.router.endpointPickerRef`: GIE's endpoint picker Service an InferencePool names."""
 
     name: str
-    port: int = 9002
-    failure_mode: str = "FailClose"
+    port: int
+    failure_mode: str
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class RouterSpec:
     """`spec.router`: `kvfleet router` in front of the replicas, or a GIE InferencePool."""
 
-    enabled: bool = False
-    mode: str = "kvfleet"
-    replicas: int = 1
-    cpu: str = "250m"
-    memory: str = "256Mi"
-    extra_args: tuple[str, ...] = ()
-    endpoint_picker_ref: EndpointPickerRef | None = None
+    enabled: bool
+    mode: str
+    replicas: int
+    cpu: str
+    memory: str
+    extra_args: tuple[str, ...]
+    endpoint_picker_ref: EndpointPickerRef | None
 
     @property
     def kvfleet(self) -> bool:
@@ -208,162 +213,117 @@ class RouterSpec:
         return self.enabled and self.mode == "inferencePool"
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class InferenceServiceSpec:
     """The whole spec, defaults applied."""
 
     model: ModelSpec
-    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
-    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
-    replicas: int = 1
-    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
-    api_key_secret_ref: SecretKeyRef | None = None
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] = field(default_factory=dict)
-    env: tuple[Mapping[str, Any], ...] = ()
-    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    runtime: RuntimeSpec
+    resources: ResourcesSpec
+    replicas: int
+    autoscaling: AutoscalingSpec
+    api_key_secret_ref: SecretKeyRef | None
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Mapping[str, Any]
+    env: tuple[Mapping[str, Any], ...]
+    pod_annotations: Mapping[str, str]
     # Pod-spec fields copied as written (the API server validates them on the Deployment).
-    image_pull_secrets: tuple[str, ...] = ()
-    service_account_name: str | None = None
-    automount_service_account_token: bool = False
-    priority_class_name: str | None = None
-    runtime_class_name: str | None = None
-    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
-    volumes: tuple[Mapping[str, Any], ...] = ()
-    volume_mounts: tuple[Mapping[str, Any], ...] = ()
-    pod_labels: Mapping[str, str] = field(default_factory=dict)
-    router: RouterSpec = field(default_factory=RouterSpec)
+    image_pull_secrets: tuple[str, ...]
+    service_account_name: str | None
+    automount_service_account_token: bool
+    priority_class_name: str | None
+    runtime_class_name: str | None
+    topology_spread_constraints: tuple[Mapping[str, Any], ...]
+    volumes: tuple[Mapping[str, Any], ...]
+    volume_mounts: tuple[Mapping[str, Any], ...]
+    pod_labels: Mapping[str, str]
+    router: RouterSpec
 
 
-def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
-    value = raw.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{path}.{key}", f"must be an object, got {type(value).__name__}")
-    return value
-
-
-def _get(
-    raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any, path: str
-) -> Any:
-    value = raw.get(key, default)
-    if value is None:
-        return default
-    # bool is an int in Python; a YAML `true` where a number belongs is still a mistake.
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise SpecError(f"{path}.{key}", f"must be {_kind_name(kind)}, got a boolean")
-    if not isinstance(value, kind):
-        raise SpecError(f"{path}.{key}", f"must be {_kind_name(kind)}, got {value!r}")
-    return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        bool: "a boolean",
-        list: "a list",
-    }
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _quantity(raw: Mapping[str, Any], key: str, default: str, path: str) -> str:
-    value = _get(raw, key, (str, int, float), default, path)
-    return str(value)
-
-
-def _optional_quantity(raw: Mapping[str, Any], key: str, path: str) -> str | None:
-    return None if raw.get(key) is None else _quantity(raw, key, "", path)
-
-
-def _secret_ref(
-    raw: Mapping[str, Any], key: str, default_key: str, path: str
-) -> SecretKeyRef | None:
-    section = raw.get(key)
-    if section is None:
+def _secret_ref(raw: Mapping[str, Any], key: str, path: str) -> SecretKeyRef | None:
+    if raw.get(key) is None:
         return None
-    section = _section(raw, key, path)
-    name = _get(section, "name", str, "", f"{path}.{key}")
+    section = object_at(raw, key, path)
+    name = value_at(section, "name", str, f"{path}.{key}")
     if not name:
         raise SpecError(f"{path}.{key}.name", "is required")
-    return SecretKeyRef(name=name, key=_get(section, "key", str, default_key, f"{path}.{key}"))
+    return SecretKeyRef(name=name, key=defaulted_at(section, "key", str, f"{path}.{key}"))
 
 
 def _model_cache(raw: Mapping[str, Any], path: str) -> ModelCacheSpec | None:
     if raw.get("cache") is None:
         return None
-    section = _section(raw, "cache", path)
-    pvc = _get(section, "pvc", str, "", f"{path}.cache")
+    section = object_at(raw, "cache", path)
+    pvc = value_at(section, "pvc", str, f"{path}.cache")
     if not pvc:
         raise SpecError(f"{path}.cache.pvc", "is required (the name of a PersistentVolumeClaim)")
     return ModelCacheSpec(
-        pvc=pvc, read_only=_get(section, "readOnly", bool, False, f"{path}.cache")
+        pvc=pvc, read_only=defaulted_at(section, "readOnly", bool, f"{path}.cache")
     )
 
 
-def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
-    """Parse a raw `spec.autoscaling` dict (absent or null keys default); raises SpecError on a
-    wrong type. The autoscaler then calls `check()` for the limits."""
-    raw = raw or {}
+def parse_autoscaling(
+    raw: Mapping[str, Any] | None, schema: Mapping[str, Any] | None = None
+) -> AutoscalingSpec:
+    """Parse a raw `spec.autoscaling` dict (absent or null keys take the CRD's defaults);
+    raises SpecError on a wrong type. The autoscaler then calls `check()` for the limits.
+    `schema` is the spec's schema (crd_defaults.spec_schema_of), the packaged CRD's if None."""
+    own = section_schema(spec_schema() if schema is None else schema, "autoscaling")
+    return _autoscaling(apply_defaults(object_at({"autoscaling": raw}, "autoscaling", "spec"), own))
+
+
+def _autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     p = "spec.autoscaling"
-    d = AutoscalingSpec()
     return AutoscalingSpec(
-        enabled=_get(raw, "enabled", bool, d.enabled, p),
-        min_replicas=_get(raw, "minReplicas", int, d.min_replicas, p),
-        max_replicas=_get(raw, "maxReplicas", int, d.max_replicas, p),
-        target_queue_depth=_get(raw, "targetQueueDepth", (int, float), d.target_queue_depth, p),
-        target_kv_cache_usage=_get(
-            raw, "targetKVCacheUsage", (int, float), d.target_kv_cache_usage, p
-        ),
-        scale_up_stabilization_seconds=_get(
-            raw, "scaleUpStabilizationSeconds", int, d.scale_up_stabilization_seconds, p
-        ),
-        scale_down_stabilization_seconds=_get(
-            raw, "scaleDownStabilizationSeconds", int, d.scale_down_stabilization_seconds, p
-        ),
-        poll_interval_seconds=_get(raw, "pollIntervalSeconds", int, d.poll_interval_seconds, p),
-        metrics_source=_get(raw, "metricsSource", str, d.metrics_source, p),
-        # The CRD may default it to "": unset, like an absent key.
-        prometheus_url=_get(raw, "prometheusURL", str, "", p) or None,
-        scale_to_zero_after_seconds=_get(
-            raw, "scaleToZeroAfterSeconds", int, d.scale_to_zero_after_seconds, p
-        ),
+        enabled=defaulted_at(raw, "enabled", bool, p),
+        min_replicas=defaulted_at(raw, "minReplicas", int, p),
+        max_replicas=defaulted_at(raw, "maxReplicas", int, p),
+        target_queue_depth=defaulted_at(raw, "targetQueueDepth", (int, float), p),
+        target_kv_cache_usage=defaulted_at(raw, "targetKVCacheUsage", (int, float), p),
+        scale_up_stabilization_seconds=defaulted_at(raw, "scaleUpStabilizationSeconds", int, p),
+        scale_down_stabilization_seconds=defaulted_at(raw, "scaleDownStabilizationSeconds", int, p),
+        poll_interval_seconds=defaulted_at(raw, "pollIntervalSeconds", int, p),
+        metrics_source=defaulted_at(raw, "metricsSource", str, p),
+        # An empty string is unset, like an absent key.
+        prometheus_url=value_at(raw, "prometheusURL", str, p) or None,
+        scale_to_zero_after_seconds=defaulted_at(raw, "scaleToZeroAfterSeconds", int, p),
     )
 
 
-def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
-    """Parse a raw `spec.router` dict; SpecError naming the field for a wrong type or value."""
+def parse_router(
+    raw: Mapping[str, Any] | None, schema: Mapping[str, Any] | None = None
+) -> RouterSpec:
+    """Parse a raw `spec.router` dict (absent or null keys take the CRD's defaults); SpecError
+    naming the field for a wrong type or value. `schema` as for parse_autoscaling."""
+    own = section_schema(spec_schema() if schema is None else schema, "router")
+    return _router(apply_defaults(object_at({"router": raw}, "router", "spec"), own))
+
+
+def _router(raw: Mapping[str, Any]) -> RouterSpec:
     p = "spec.router"
-    d = RouterSpec()
-    mode = _get(raw, "mode", str, d.mode, p)
+    mode = defaulted_at(raw, "mode", str, p)
     if mode not in ROUTER_MODES:
         raise SpecError(f"{p}.mode", f"must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
-    extra = _get(raw, "extraArgs", list, [], p)
-    if not all(isinstance(a, str) for a in extra):
-        raise SpecError(f"{p}.extraArgs", "must be a list of strings")
     ref = None
     if raw.get("endpointPickerRef") is not None:
-        section = _section(raw, "endpointPickerRef", p)
+        section = object_at(raw, "endpointPickerRef", p)
         rp = f"{p}.endpointPickerRef"
-        name = _get(section, "name", str, "", rp)
+        name = value_at(section, "name", str, rp)
         if not name:
             raise SpecError(f"{rp}.name", "is required (the endpoint picker's Service)")
         ref = EndpointPickerRef(
             name=name,
-            port=_get(section, "port", int, 9002, rp),
-            failure_mode=_get(section, "failureMode", str, "FailClose", rp),
+            port=defaulted_at(section, "port", int, rp),
+            failure_mode=defaulted_at(section, "failureMode", str, rp),
         )
     router = RouterSpec(
-        enabled=_get(raw, "enabled", bool, d.enabled, p),
+        enabled=defaulted_at(raw, "enabled", bool, p),
         mode=mode,
-        replicas=_get(raw, "replicas", int, d.replicas, p),
-        cpu=_quantity(raw, "cpu", d.cpu, p),
-        memory=_quantity(raw, "memory", d.memory, p),
-        extra_args=tuple(extra),
+        replicas=defaulted_at(raw, "replicas", int, p),
+        cpu=defaulted_quantity_at(raw, "cpu", p),
+        memory=defaulted_quantity_at(raw, "memory", p),
+        extra_args=strings_at(raw, "extraArgs", p),
         endpoint_picker_ref=ref,
     )
     if router.inference_pool and ref is None:
@@ -371,88 +331,85 @@ def parse_router(raw: Mapping[str, Any]) -> RouterSpec:
     return router
 
 
-def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
-    """Parse a raw `spec` dict, filling the CRD's defaults; raises SpecError naming the field."""
+def parse_spec(
+    raw: Mapping[str, Any], schema: Mapping[str, Any] | None = None
+) -> InferenceServiceSpec:
+    """Parse a raw `spec` dict, filling the CRD's defaults; raises SpecError naming the field.
+    `schema` is the spec's schema (crd_defaults.spec_schema_of), the packaged CRD's if None."""
     p = "spec"
-    model_raw = _section(raw, "model", p)
-    uri = _get(model_raw, "uri", str, "", f"{p}.model")
+    raw = apply_defaults(raw, spec_schema() if schema is None else schema)
+    model_raw = object_at(raw, "model", p)
+    mp = f"{p}.model"
+    uri = value_at(model_raw, "uri", str, mp)
     if not uri:
         raise SpecError(
-            f"{p}.model.uri",
-            "is required (hf://org/name, pvc://claim/path, file:///path or bundled)",
+            f"{mp}.uri", "is required (hf://org/name, pvc://claim/path, file:///path or bundled)"
         )
     model = ModelSpec(
         uri=uri,
-        served_name=_get(model_raw, "servedName", str, "", f"{p}.model"),
-        hf_token_secret_ref=_secret_ref(model_raw, "hfTokenSecretRef", "token", f"{p}.model"),
-        size_hint=_optional_quantity(model_raw, "sizeHint", f"{p}.model"),
-        cache=_model_cache(model_raw, f"{p}.model"),
+        served_name=value_at(model_raw, "servedName", str, mp) or "",
+        hf_token_secret_ref=_secret_ref(model_raw, "hfTokenSecretRef", mp),
+        size_hint=quantity_at(model_raw, "sizeHint", mp),
+        cache=_model_cache(model_raw, mp),
     )
 
-    rt = _section(raw, "runtime", p)
+    rt = object_at(raw, "runtime", p)
     rp = f"{p}.runtime"
-    d = RuntimeSpec()
-    extra = _get(rt, "extraArgs", list, [], rp)
-    if not all(isinstance(a, str) for a in extra):
-        raise SpecError(f"{rp}.extraArgs", "must be a list of strings")
     runtime = RuntimeSpec(
-        image=_get(rt, "image", str, None, rp),
-        image_pull_policy=_get(rt, "imagePullPolicy", str, d.image_pull_policy, rp),
-        max_model_len=_get(rt, "maxModelLen", int, d.max_model_len, rp),
-        block_size=_get(rt, "blockSize", int, d.block_size, rp),
-        max_num_seqs=_get(rt, "maxNumSeqs", int, d.max_num_seqs, rp),
-        max_num_batched_tokens=_get(rt, "maxNumBatchedTokens", int, d.max_num_batched_tokens, rp),
-        enable_prefix_caching=_get(rt, "enablePrefixCaching", bool, d.enable_prefix_caching, rp),
-        enable_chunked_prefill=_get(rt, "enableChunkedPrefill", bool, d.enable_chunked_prefill, rp),
-        kv_cache_memory_fraction=float(
-            _get(rt, "kvCacheMemoryFraction", (int, float), d.kv_cache_memory_fraction, rp)
-        ),
-        dtype=_get(rt, "dtype", str, d.dtype, rp),
-        tensor_parallel_size=_get(rt, "tensorParallelSize", int, d.tensor_parallel_size, rp),
-        drain_timeout_seconds=_get(rt, "drainTimeoutSeconds", int, d.drain_timeout_seconds, rp),
-        extra_args=tuple(extra),
+        image=value_at(rt, "image", str, rp),
+        image_pull_policy=defaulted_at(rt, "imagePullPolicy", str, rp),
+        max_model_len=defaulted_at(rt, "maxModelLen", int, rp),
+        block_size=defaulted_at(rt, "blockSize", int, rp),
+        max_num_seqs=defaulted_at(rt, "maxNumSeqs", int, rp),
+        max_num_batched_tokens=defaulted_at(rt, "maxNumBatchedTokens", int, rp),
+        enable_prefix_caching=defaulted_at(rt, "enablePrefixCaching", bool, rp),
+        enable_chunked_prefill=defaulted_at(rt, "enableChunkedPrefill", bool, rp),
+        kv_cache_memory_fraction=float(defaulted_at(rt, "kvCacheMemoryFraction", (int, float), rp)),
+        dtype=defaulted_at(rt, "dtype", str, rp),
+        tensor_parallel_size=defaulted_at(rt, "tensorParallelSize", int, rp),
+        drain_timeout_seconds=defaulted_at(rt, "drainTimeoutSeconds", int, rp),
+        extra_args=strings_at(rt, "extraArgs", rp),
     )
 
-    res = _section(raw, "resources", p)
-    rd = ResourcesSpec()
+    res = object_at(raw, "resources", p)
+    resp = f"{p}.resources"
     resources = ResourcesSpec(
-        gpus=_get(res, "gpus", int, rd.gpus, f"{p}.resources"),
-        cpu=_quantity(res, "cpu", rd.cpu, f"{p}.resources"),
-        memory=_quantity(res, "memory", rd.memory, f"{p}.resources"),
-        ephemeral_storage=_optional_quantity(res, "ephemeralStorage", f"{p}.resources"),
-        shm_size=_optional_quantity(res, "shmSize", f"{p}.resources"),
+        gpus=defaulted_at(res, "gpus", int, resp),
+        cpu=defaulted_quantity_at(res, "cpu", resp),
+        memory=defaulted_quantity_at(res, "memory", resp),
+        ephemeral_storage=quantity_at(res, "ephemeralStorage", resp),
+        shm_size=quantity_at(res, "shmSize", resp),
     )
 
-    autoscaling = parse_autoscaling(_section(raw, "autoscaling", p))
     lists = {}
     for name in ("tolerations", "env", "topologySpreadConstraints", "volumes", "volumeMounts"):
-        items = _get(raw, name, list, [], p)
+        items = value_at(raw, name, list, p) or []
         if not all(isinstance(i, Mapping) for i in items):
             raise SpecError(f"{p}.{name}", "must be a list of objects")
         lists[name] = tuple(dict(i) for i in items)
-    pull_secrets = _get(raw, "imagePullSecrets", list, [], p)
+    pull_secrets = value_at(raw, "imagePullSecrets", list, p) or []
     if not all(isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in pull_secrets):
         raise SpecError(f"{p}.imagePullSecrets", "must be a list of {name: <Secret>} objects")
     return InferenceServiceSpec(
         model=model,
         runtime=runtime,
         resources=resources,
-        replicas=_get(raw, "replicas", int, 1, p),
-        autoscaling=autoscaling,
-        api_key_secret_ref=_secret_ref(raw, "apiKeySecretRef", "api-key", p),
-        node_selector=dict(_section(raw, "nodeSelector", p)),
+        replicas=defaulted_at(raw, "replicas", int, p),
+        autoscaling=_autoscaling(object_at(raw, "autoscaling", p)),
+        api_key_secret_ref=_secret_ref(raw, "apiKeySecretRef", p),
+        node_selector=dict(object_at(raw, "nodeSelector", p)),
         tolerations=lists["tolerations"],
-        affinity=dict(_section(raw, "affinity", p)),
+        affinity=dict(object_at(raw, "affinity", p)),
         env=lists["env"],
-        pod_annotations=dict(_section(raw, "podAnnotations", p)),
-        pod_labels=dict(_section(raw, "podLabels", p)),
+        pod_annotations=dict(object_at(raw, "podAnnotations", p)),
+        pod_labels=dict(object_at(raw, "podLabels", p)),
         image_pull_secrets=tuple(i["name"] for i in pull_secrets),
-        service_account_name=_get(raw, "serviceAccountName", str, None, p),
-        automount_service_account_token=_get(raw, "automountServiceAccountToken", bool, False, p),
-        priority_class_name=_get(raw, "priorityClassName", str, None, p),
-        runtime_class_name=_get(raw, "runtimeClassName", str, None, p),
+        service_account_name=value_at(raw, "serviceAccountName", str, p),
+        automount_service_account_token=defaulted_at(raw, "automountServiceAccountToken", bool, p),
+        priority_class_name=value_at(raw, "priorityClassName", str, p),
+        runtime_class_name=value_at(raw, "runtimeClassName", str, p),
         topology_spread_constraints=lists["topologySpreadConstraints"],
         volumes=lists["volumes"],
         volume_mounts=lists["volumeMounts"],
-        router=parse_router(_section(raw, "router", p)),
+        router=_router(object_at(raw, "router", p)),
     )

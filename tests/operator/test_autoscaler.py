@@ -3,6 +3,7 @@ properties that must hold for any load (hypothesis)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -328,8 +329,8 @@ def test_history_is_trimmed_to_the_longest_window():
 # --- properties -----------------------------------------------------------------------------
 
 specs = st.builds(
-    lambda lo, extra, queue, kv, up, down: AutoscalingSpec(
-        enabled=True,
+    lambda lo, extra, queue, kv, up, down: dataclasses.replace(
+        SPEC,
         min_replicas=lo,
         max_replicas=lo + extra,
         target_queue_depth=queue,
