@@ -20,6 +20,7 @@ from kvfleet.operator import conditions as c
 from kvfleet.operator import metrics
 from kvfleet.operator.apply import apply_child
 from kvfleet.operator.apply_router import INFERENCE_POOL_MISSING, apply_router
+from kvfleet.operator.autoscale_tasks import register_autoscaler
 from kvfleet.operator.kube_api import (
     DEPLOYMENTS,
     ISVCS,
@@ -309,19 +310,5 @@ def build_registry(
         if name:
             queue.add(body.metadata["namespace"], name)
 
-    _register_autoscaler(registry, config)
+    register_autoscaler(registry, config)
     return registry
-
-
-def _register_autoscaler(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
-    # The autoscaler's loop is a separate module exposing register(registry, config); a
-    # checkout without it still runs the reconciler.
-    import importlib
-
-    try:
-        loop = importlib.import_module("kvfleet.operator.autoscale_loop")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvfleet.operator.autoscale_loop":
-            raise
-        return
-    loop.register(registry, config)

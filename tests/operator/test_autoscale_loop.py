@@ -1,4 +1,4 @@
-"""The autoscaler daemon under kopf against the emulator, with small aiohttp "pods" serving
+"""The autoscaler's loop under kopf against the emulator, with small aiohttp "pods" serving
 fixed /metrics text on their own loopback addresses: scaling, Events, status, the
 AutoscalerReady condition, and what it must not do (scale down on missing data, act when off).
 """
@@ -383,3 +383,26 @@ async def test_an_idle_service_scales_to_zero_and_says_so(operator, fake_pods, p
     seen = len(polls)
     await eventually(lambda: len(polls) >= seen + 2, timeout=5)
     assert replicas(k8s) == 0  # and it stays there: nothing but the activator brings it back
+
+
+async def test_turned_off_the_autoscaler_stops_polling(operator, fake_pods, polls):
+    k8s = operator.emulator
+    k8s.create_object(ISVC, autoscaled())
+    await eventually(lambda: len(polls) >= 2, timeout=6)
+    k8s.mutate(ISVC, NS, "chat", lambda o: o["spec"]["autoscaling"].update(enabled=False))
+    await asyncio.sleep(1.5)  # the event reaches the task set; a poll under way may finish
+    seen = len(polls)
+    await asyncio.sleep(2.5)
+    assert len(polls) == seen, "the autoscaler still polls with autoscaling off"
+
+
+async def test_a_changed_poll_interval_applies_to_the_running_loop(operator, fake_pods, polls):
+    k8s = operator.emulator
+    k8s.create_object(ISVC, autoscaled(pollIntervalSeconds=1))
+    await eventually(lambda: len(polls) >= 2, timeout=6)
+    k8s.mutate(ISVC, NS, "chat", lambda o: o["spec"]["autoscaling"].update(pollIntervalSeconds=3))
+    await asyncio.sleep(1.5)  # at most one more poll on the old interval
+    start = len(polls)
+    await eventually(lambda: len(polls) >= start + 2, timeout=10)
+    gap = polls[start + 1].at - polls[start].at
+    assert 2.5 <= gap < 4.5, gap

@@ -1,5 +1,5 @@
 """Uninstalling the operator must not strand InferenceServices: the operator puts no finalizer on
-them (kopf would, for the autoscaler's daemon), so `kubectl delete` works with no operator
+them (kopf would, were the autoscaler a kopf daemon), so `kubectl delete` works with no operator
 running, and the autoscaler ends itself when its InferenceService goes."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ async def test_delete_with_no_operator_running_removes_the_inference_service(kub
         spec = {"autoscaling": autoscaling} if autoscaling else {}
         k8s.create_object(ISVC, isvc_with("chat", **spec))
         await eventually(lambda: k8s.get(DEPLOYMENT, NS, "chat") and k8s.get(SERVICE, NS, "chat"))
-        if autoscaling:  # the daemon runs: kopf would have added its finalizer by now
+        if autoscaling:  # the loop runs: a kopf daemon would have its finalizer by now
             await eventually(lambda: find_condition(conditions(k8s, "chat"), AUTOSCALER_READY))
         await asyncio.sleep(0.5)  # give kopf time for any write it still means to make
     finally:
@@ -79,7 +79,7 @@ async def test_the_autoscaler_stops_when_its_inference_service_is_deleted(operat
     await eventually(lambda: len(polls) >= 2, timeout=10)
     k8s.remove(ISVC, NS, "chat")
     assert k8s.get(ISVC, NS, "chat") is None  # at once: nothing holds it
-    await asyncio.sleep(0.5)  # the DELETED event reaches the daemon, which ends
+    await asyncio.sleep(0.5)  # the DELETED event reaches the task set: the loop ends
     seen = requests_about(k8s, "chat")
     await asyncio.sleep(2.5)  # more than a poll interval
     assert requests_about(k8s, "chat") == seen, "the autoscaler still polls a deleted object"

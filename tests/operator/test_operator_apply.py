@@ -8,7 +8,7 @@ import asyncio
 
 from kube_harness import DEPLOYMENT, ISVC, eventually, isvc_with
 from kvfleet.operator.apply import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns
-from kvfleet.operator.autoscale_loop import scale_deployment
+from kvfleet.operator.autoscale_poll import scale_deployment
 from kvfleet.operator.handlers import reconcile
 from kvfleet.operator.kube_api import DEPLOYMENTS
 

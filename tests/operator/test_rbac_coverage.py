@@ -64,8 +64,8 @@ INSTALLS = {
 # Granted permissions this scenario cannot reach, each with why it is granted anyway, as
 # Authorizer.unused names them ("ClusterRole/kvfleet: watch core/namespaces"). None today:
 # every verb the roles grant is one the run needs. kopf's rarer paths need no other: a
-# re-list after a watch's 410 is `list`; removing an old kvfleet finalizer and a daemon's
-# wake-up touch are `patch` on inferenceservices.
+# re-list after a watch's 410 is `list`; removing an old kvfleet finalizer is `patch` on
+# inferenceservices.
 NOT_EXERCISED: frozenset[str] = frozenset()
 
 
@@ -243,7 +243,7 @@ async def test_rbac_allows_every_request_and_grants_nothing_unused(cluster, prom
     granted = await asyncio.gather(
         *(everything_the_operator_does(k8s, ns, prometheus, domain) for ns in namespaces)
     )
-    await asyncio.sleep(1.5)  # the deletions reach the handlers and the autoscaler daemons
+    await asyncio.sleep(1.5)  # the deletions reach the handlers and the autoscaler's loops
     replica.process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(replica.process.wait(), timeout=30) == 0
     assert cluster.holder(lease_name(args)) == "", "a graceful stop releases the Lease"

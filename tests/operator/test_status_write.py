@@ -11,8 +11,8 @@ from typing import Any
 
 from kube_harness import DEPLOYMENT, ISVC, deployment_available, isvc_with
 from kvfleet.operator import conditions as c
-from kvfleet.operator.autoscale_loop import AUTOSCALER_READY
-from kvfleet.operator.autoscale_loop import write_status as write_autoscaler_status
+from kvfleet.operator.autoscale_poll import write_status as write_autoscaler_status
+from kvfleet.operator.autoscale_report import AUTOSCALER_READY
 from kvfleet.operator.handlers import OperatorConfig, refresh_from_child, write_status
 from kvfleet.operator.kube_api import ISVCS, KubeApi
 
