@@ -12,10 +12,12 @@ COPY kvfleet/ kvfleet/
 COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY devcluster/ devcluster/
 
 # The operator's own imports only, with pyproject.toml's version ranges. kvfleet is installed with
 # --no-deps: its full dependency list would pull torch (gigabytes) into an image that never
-# imports it. The runtime's modules are copied (one distribution) but never imported here.
+# imports it. The runtime's modules are copied (one distribution) but never imported here; so is
+# devcluster/ (`kvfleet demo`), whose dependencies (the dev extra) are never installed here.
 RUN pip install \
         "kopf>=1.37,<2" \
         "kubernetes>=30" \

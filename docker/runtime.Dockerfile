@@ -19,6 +19,7 @@ COPY kvfleet/ kvfleet/
 COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY devcluster/ devcluster/
 
 # The runtime's own imports only (matplotlib: `kvfleet bench ... --plot` runs in GPU pods too) (the operator's kopf/kubernetes stay out), with the same version
 # ranges as pyproject.toml; kvfleet itself goes in with --no-deps for the same reason.

@@ -21,7 +21,7 @@ COMMAND_MODULES = (
     "kvfleet.runtime.router.cmd_router",
     "kvfleet.runtime.bench.cmd_bench",
     "kvfleet.operator.cmd_operator",
-    "kvfleet.operator.cmd_demo",
+    "kvfleet.devcluster.demo.cmd_demo",
 )
 
 

@@ -1,14 +1,6 @@
-"""The e2e tests run the operator harness of tests/operator (emulator + kopf), exposed here."""
+"""The e2e tests run the operator harness (tests/kube_harness.py: the dev cluster's API server
+and kopf), exposed here."""
 
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-_OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
-if str(_OPERATOR_TESTS) not in sys.path:
-    sys.path.insert(0, str(_OPERATOR_TESTS))  # kube_harness and its `from emulator import ...`
-
-from kube_harness import kube, operator, operator_registration  # noqa: E402
+from kube_harness import kube, operator, operator_registration
 
 __all__ = ["kube", "operator", "operator_registration"]

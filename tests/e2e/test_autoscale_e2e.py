@@ -15,6 +15,9 @@ import time
 import aiohttp
 import pytest
 from kube_harness import DEPLOYMENT, ISVC, eventually, isvc_with
+from kvfleet.devcluster.demo.endpoint_load import EndpointLoad
+from kvfleet.devcluster.kubelet.pod_network import choose_port, pod_ips
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
 from kvfleet.operator.autoscale_loop import (
     AUTOSCALER_READY,
     OBSERVERS_SETTING,
@@ -22,9 +25,7 @@ from kvfleet.operator.autoscale_loop import (
     PollReport,
 )
 from kvfleet.operator.conditions import find_condition
-from kvfleet.operator.demo_load import EndpointLoad
 from kvfleet.operator.kube_api import KubeApi
-from kvfleet.operator.kubelet_sim import KubeletSim, choose_port, pod_ips
 
 NS = "default"
 NAME = "chat"

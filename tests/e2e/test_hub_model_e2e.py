@@ -16,9 +16,10 @@ import aiohttp
 import pytest
 from fake_hub import fake_hub
 from kube_harness import ISVC, eventually, isvc_with
+from kvfleet.devcluster.kubelet.pod_state import PodEvent
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
 from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.kube_api import KubeApi
-from kvfleet.operator.kubelet_sim import KubeletSim, PodEvent
 
 NS = "default"
 NAME = "smollm2"

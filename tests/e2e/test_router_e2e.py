@@ -11,9 +11,10 @@ import asyncio
 import aiohttp
 import pytest
 from kube_harness import DEPLOYMENT, ISVC, POD, SERVICE, eventually, isvc_with
+from kvfleet.devcluster.kubelet.pod_network import choose_port, pod_ips
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
 from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.kube_api import KubeApi
-from kvfleet.operator.kubelet_sim import KubeletSim, choose_port, pod_ips
 
 NS = "default"
 NAME = "chat"

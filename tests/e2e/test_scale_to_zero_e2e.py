@@ -19,10 +19,11 @@ import time
 import aiohttp
 import pytest
 from kube_harness import DEPLOYMENT, ISVC, eventually, isvc_with
+from kvfleet.devcluster.kubelet.pod_network import choose_port, pod_ips
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
 from kvfleet.operator.autoscale_loop import AUTOSCALER_READY, RUNTIME_PORT_SETTING
 from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.kube_api import KubeApi
-from kvfleet.operator.kubelet_sim import KubeletSim, choose_port, pod_ips
 from prometheus_client.parser import text_string_to_metric_families
 
 NS = "default"

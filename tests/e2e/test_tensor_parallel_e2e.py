@@ -8,9 +8,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from kube_harness import ISVC, eventually, isvc_with
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
 from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.kube_api import KubeApi
-from kvfleet.operator.kubelet_sim import KubeletSim
 
 NS = "default"
 NAME = "smollm2-tp"

@@ -6,11 +6,11 @@ two replicas (Deployment, Service, PodDisruptionBudget), its pods becoming ready
 writes, status.url under the install's cluster domain), an edit, one replica (the budget
 deleted), autoscaling fed by Prometheus (a scale-up, its Event, status.autoscaling), deletion,
 and a graceful stop (the Lease released). Then every request made with its token is turned
-into what the API server authorizes (rbac_authorizer.py) and must be allowed by the rendered
-Roles and ClusterRoles through their bindings to the operator's ServiceAccount — and every
-verb those grant must have been needed by some request. For the chart watching every
-namespace (a ClusterRole), the chart with `watchNamespaces` (a Role per namespace), and the
-kustomize install as `kubectl kustomize manifests` builds it.
+into what the API server authorizes (devcluster/apiserver/rbac_authorizer.py) and must be
+allowed by the rendered Roles and ClusterRoles through their bindings to the operator's
+ServiceAccount — and every verb those grant must have been needed by some request. For the
+chart watching every namespace (a ClusterRole), the chart with `watchNamespaces` (a Role per
+namespace), and the kustomize install as `kubectl kustomize manifests` builds it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from kube_harness import DEPLOYMENT, ISVC, POD, SERVICE, deployment_available, eventually, isvc_with
+from kvfleet.devcluster.apiserver.rbac_authorizer import (
+    Access,
+    Authorizer,
+    NonResourceAccess,
+    request_accesses,
+)
 from kvfleet.operator.conditions import find_condition
 from kvfleet.operator.render import selector_labels
 from operator_processes import (
@@ -33,7 +39,6 @@ from operator_processes import (
     kustomize_operator,
     lease_name,
 )
-from rbac_authorizer import Access, Authorizer, NonResourceAccess, request_accesses
 
 PDB = "policy/v1/poddisruptionbudgets"
 ROLE = "rbac.authorization.k8s.io/v1/roles"

@@ -1,7 +1,7 @@
 """The pod-spec fields a platform team sets (pull secrets, service account, priority, runtime
 class, spread constraints, extra volumes, ephemeral storage, /dev/shm size), the budget that
 keeps node drains from taking every replica at once. (Names that cannot name a Service are
-refused by the CRD's rule: tests/operator/test_emulator_custom_resources.py.)"""
+refused by the CRD's rule: tests/devcluster/test_emulator_custom_resources.py.)"""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from builtin_schemas import chart_minimum_kubernetes
-from crd_schema import CrdSchema
+from kvfleet.devcluster.apiserver.builtin_schemas import chart_minimum_kubernetes
+from kvfleet.devcluster.apiserver.crd_schema import CrdSchema
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml"
@@ -20,7 +20,7 @@ VERSION = CRD["spec"]["versions"][0]
 SCHEMA = VERSION["schema"]["openAPIV3Schema"]
 SAMPLES = sorted((ROOT / "manifests" / "samples").glob("*.yaml"))
 # The API server's own treatment of the CRD: its structural schema and CEL rules, run as
-# written (tests/operator/crd_schema.py), not mirrored here.
+# written (devcluster/apiserver/crd_schema.py), not mirrored here.
 STRUCTURAL = CrdSchema(CRD)
 
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from kube_harness import DEPLOYMENT, eventually, kube
 from kvfleet.runtime.router.activator import (
     FIELD_MANAGER,
     RETRY_AFTER_S,
@@ -31,12 +30,6 @@ from kvfleet.runtime.router.discovery import DiscoverySettings, PodDiscovery
 from kvfleet.runtime.router.replica_pool import ReplicaPool
 from kvfleet.runtime.router.settings import RouterSettings
 from test_router_discovery import SELECTOR, _args, fakes_on_pod_ips, put_pod
-
-_OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
-if str(_OPERATOR_TESTS) not in sys.path:
-    sys.path.insert(0, str(_OPERATOR_TESTS))
-
-from kube_harness import DEPLOYMENT, eventually, kube  # noqa: E402
 
 __all__ = ["kube"]
 pytestmark = pytest.mark.timeout(60)

@@ -4,9 +4,7 @@ matches, listed from the API server (the repo's emulator here) while the router 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,6 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from fake_replica import FakeReplica
+from kube_harness import POD, eventually, kube
 from kvfleet.runtime.router.app import Router
 from kvfleet.runtime.router.cmd_router import discovery_from_args, register
 from kvfleet.runtime.router.discovery import (
@@ -25,12 +24,6 @@ from kvfleet.runtime.router.discovery import (
 )
 from kvfleet.runtime.router.replica_pool import ReplicaPool
 from kvfleet.runtime.router.settings import RouterSettings
-
-_OPERATOR_TESTS = Path(__file__).resolve().parents[1] / "operator"
-if str(_OPERATOR_TESTS) not in sys.path:
-    sys.path.insert(0, str(_OPERATOR_TESTS))  # the emulator harness (kube_harness.py)
-
-from kube_harness import POD, eventually, kube  # noqa: E402
 
 __all__ = ["kube"]
 pytestmark = pytest.mark.timeout(60)
@@ -183,7 +176,7 @@ async def test_an_unreachable_api_server_keeps_the_known_replicas(kube, caplog) 
 @contextlib.asynccontextmanager
 async def fakes_on_pod_ips(*names: str) -> AsyncIterator[tuple[list[FakeReplica], list[str], int]]:
     """Fake replicas on 127.0.0.2, 127.0.0.3, … all on one port, as pods on their own IPs."""
-    from kvfleet.operator.kubelet_sim import choose_port, pod_ips
+    from kvfleet.devcluster.kubelet.pod_network import choose_port, pod_ips
 
     ips = pod_ips(len(names))
     port = choose_port(ips, preferred=0)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from api_status import Cause, quote
-from canonical_quantity import QuantityError, parse_quantity
-from object_meta_rules import DNS1123_LABEL, name_error
+from kvfleet.devcluster.apiserver.api_status import Cause, quote
+from kvfleet.devcluster.apiserver.canonical_quantity import QuantityError, parse_quantity
+from kvfleet.devcluster.apiserver.object_meta_rules import DNS1123_LABEL, name_error
 
 ENV_VAR_NAME = r"[-._a-zA-Z][-._a-zA-Z0-9]*"
 OVERCOMMITTABLE = {"cpu", "memory", "ephemeral-storage"}  # others need requests == limits

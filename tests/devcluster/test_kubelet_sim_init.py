@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from fake_kvfleet import fake_python
 from kube_harness import ISVC, eventually, isvc_with
+from kvfleet.devcluster.kubelet.container_process import host_path, mount_table, volume_folders
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
 from kvfleet.operator.conditions import find_condition
-from kvfleet.operator.container_process import host_path, mount_table, volume_folders
 from kvfleet.operator.kube_api import KubeApi
-from kvfleet.operator.kubelet_sim import KubeletSim
 
 NS = "default"
 NAME = "chat"

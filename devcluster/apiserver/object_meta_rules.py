@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from api_status import Cause, quote
+from kvfleet.devcluster.apiserver.api_status import Cause, quote
 
 DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS1123_SUBDOMAIN = rf"{DNS1123_LABEL}(\.{DNS1123_LABEL})*"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 from api_client import MERGE, call, path_of
-from cel_rules import CelCompileError
-from crd_schema import CrdSchema
 from kube_harness import ISVC, isvc_with
+from kvfleet.devcluster.apiserver.cel_rules import CelCompileError
+from kvfleet.devcluster.apiserver.crd_schema import CrdSchema
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml"

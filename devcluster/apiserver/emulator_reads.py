@@ -10,9 +10,9 @@ from typing import Any
 
 import aiohttp.web
 import kmock
-from api_status import ApiError
 from kmock._internal import rendering
-from label_selectors import field_matches, selector_matches
+from kvfleet.devcluster.apiserver.api_status import ApiError
+from kvfleet.devcluster.apiserver.label_selectors import field_matches, selector_matches
 
 Key = tuple[Any, str | None, str]
 WATCH_SECONDS = 20.0  # a watch ends like a real one does; clients reconnect with their last RV

@@ -4,7 +4,12 @@ server authorizes, and rules granted only where their bindings say."""
 from __future__ import annotations
 
 import pytest
-from rbac_authorizer import Access, Authorizer, NonResourceAccess, request_accesses
+from kvfleet.devcluster.apiserver.rbac_authorizer import (
+    Access,
+    Authorizer,
+    NonResourceAccess,
+    request_accesses,
+)
 
 SA = {"kind": "ServiceAccount", "name": "op", "namespace": "ops"}
 

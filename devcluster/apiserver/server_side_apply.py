@@ -30,8 +30,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from api_status import ApiError, Cause
-from builtin_schemas import Shape
+from kvfleet.devcluster.apiserver.api_status import ApiError, Cause
+from kvfleet.devcluster.apiserver.builtin_schemas import Shape
 
 Element = tuple[str, str]
 Path = tuple[Element, ...]

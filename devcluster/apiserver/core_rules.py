@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from api_status import Cause, quote
-from object_meta_rules import check_labels, check_metadata
-from pod_rules import check_pod_spec, port_name_causes
+from kvfleet.devcluster.apiserver.api_status import Cause, quote
+from kvfleet.devcluster.apiserver.object_meta_rules import check_labels, check_metadata
+from kvfleet.devcluster.apiserver.pod_rules import check_pod_spec, port_name_causes
 
 
 def _selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:

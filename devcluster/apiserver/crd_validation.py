@@ -12,8 +12,8 @@ import re
 import uuid
 from typing import Any
 
-from api_status import Cause, quote
-from cel_rules import CelRule
+from kvfleet.devcluster.apiserver.api_status import Cause, quote
+from kvfleet.devcluster.apiserver.cel_rules import CelRule
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 from api_client import MERGE, call, path_of
-from api_status import ApiError
-from builtin_schemas import chart_minimum_kubernetes, schema_version
-from canonical_quantity import QuantityError, canonical_quantity
-from emulator import RealisticEmulator
 from kube_harness import DEPLOYMENT, SERVICE, sample
+from kvfleet.devcluster.apiserver.api_status import ApiError
+from kvfleet.devcluster.apiserver.builtin_schemas import chart_minimum_kubernetes, schema_version
+from kvfleet.devcluster.apiserver.canonical_quantity import QuantityError, canonical_quantity
+from kvfleet.devcluster.apiserver.emulator import RealisticEmulator
 from kvfleet.operator.render import render_deployment, render_service
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

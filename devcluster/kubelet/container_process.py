@@ -158,3 +158,37 @@ def termination_message(log_path: Path) -> str:
     except OSError:
         return ""
     return "\n".join(tail.splitlines()[-TERMINATION_MESSAGE_LINES:])
+
+
+def serve_command(
+    container: Mapping[str, Any],
+    host: str,
+    port: int,
+    python: str = sys.executable,
+    api_server: str | None = None,
+) -> list[str]:
+    """The process for a pod's main container, `kvfleet serve` or `kvfleet router`: its args,
+    with the pod's address and port.
+
+    `command: [kvfleet]` becomes this interpreter's `-m kvfleet.runtime.cli` (the same
+    installation, no PATH lookup); `--host`/`--port` are what the pod network would provide.
+    A router that discovers its replicas is pointed at `api_server` (a real kubelet gives
+    the pod KUBERNETES_SERVICE_HOST/PORT and a token instead) and at the one port every
+    simulated pod serves on.
+    """
+    args = list(container.get("args") or [])
+    if not args or args[0] not in ("serve", "router"):
+        raise ValueError(
+            f"container {container.get('name')!r} runs neither `kvfleet serve` nor `kvfleet router`"
+        )
+    replaced = [("--host", host), ("--port", str(port))]
+    if args[0] == "router" and "--discover-selector" in args:
+        replaced.append(("--discover-port", str(port)))
+        if api_server is not None:
+            replaced.append(("--discover-api-server", api_server))
+    for flag, value in replaced:
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    return kvfleet_command({**container, "command": ["kvfleet"], "args": args}, python)

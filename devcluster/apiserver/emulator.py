@@ -24,19 +24,20 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
-from admission import Admission, WriteOptions
-from api_status import ApiError
-from builtin_schemas import ROOT, chart_minimum_kubernetes, schema_version
-from crd_schema import CrdSchema
-from emulator_apply import ApplyMixin, request_manager
-from emulator_reads import ReadsMixin
-from emulator_resources import CORE, crd_resource
 from kmock._internal import apps, parsing, rendering
-from patches import PatchTestFailed, json_patch, merge_patch
-from server_side_apply import record_update
+from kvfleet.devcluster.apiserver.admission import Admission, WriteOptions
+from kvfleet.devcluster.apiserver.api_status import ApiError
+from kvfleet.devcluster.apiserver.builtin_schemas import chart_minimum_kubernetes, schema_version
+from kvfleet.devcluster.apiserver.crd_schema import CrdSchema
+from kvfleet.devcluster.apiserver.emulator_apply import ApplyMixin, request_manager
+from kvfleet.devcluster.apiserver.emulator_reads import ReadsMixin
+from kvfleet.devcluster.apiserver.emulator_resources import CORE, crd_resource
+from kvfleet.devcluster.apiserver.patches import PatchTestFailed, json_patch, merge_patch
+from kvfleet.devcluster.apiserver.server_side_apply import record_update
+from kvfleet.devcluster.source_checkout import CRD_DIR
 
 Key = tuple[Any, str | None, str]
-CRD_FILES = sorted((ROOT / "crds").glob("*.yaml"))
+CRD_FILES = sorted(CRD_DIR.glob("*.yaml"))
 _KMOCK_PARSE_PATH = parsing.parse_path
 
 

@@ -1,28 +1,36 @@
-"""`kvfleet demo autoscale`: watch the autoscaler work, on one machine, with real runtime pods.
-
-Everything runs here: the Kubernetes API emulator of the test suite, the operator (kopf, with
-the autoscaler), the kubelet simulator (each replica is a real `kvfleet serve` process on its
-own 127.0.0.x address, serving `random:tiny`) and a request load in three phases — light,
-heavy, light. One line per autoscaler poll shows queue, KV usage and replicas; at the end the
-timeline is drawn (queue depth, KV usage, replicas over time) and optionally saved as JSON.
-
-It needs a source checkout with the test extras (`pip install -e '.[test]'`): the emulator is
-tests/operator/emulator.py (kmock), the plot needs matplotlib.
+"""`kvfleet demo autoscale` itself: the dev cluster's API server (kmock) on 127.0.0.1, the
+operator (kopf, with the autoscaler) in a thread, the kubelet simulator running each replica as
+a real `kvfleet serve` process (a random tiny model, one CPU thread) on its own 127.0.0.x
+address, and a request load in three phases — light, heavy, light. One line per autoscaler
+poll; at the end the timeline is plotted (timeline_plot.py) and optionally written as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
+import json
+import os
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-DESCRIPTION = """\
-Run the autoscaler end to end on this machine and draw what it did: an in-process Kubernetes
-API emulator, the kvfleet operator, real `kvfleet serve` pods (random tiny model, one CPU
-thread each, on 127.0.0.2, 127.0.0.3, ...) and a light → heavy → light request load. Prints a
-line per autoscaler poll and writes the timeline plot. Needs a source checkout with the test
-extras installed (pip install -e '.[test]')."""
+import aiohttp
+import aiohttp.test_utils
+import kmock
+import yaml
+from kvfleet.devcluster.apiserver.emulator import RealisticEmulator
+from kvfleet.devcluster.demo.endpoint_load import EndpointLoad
+from kvfleet.devcluster.demo.timeline_plot import plot_timeline
+from kvfleet.devcluster.kubelet.simulator import KubeletSim
+from kvfleet.operator.autoscale_loop import OBSERVERS_SETTING, RUNTIME_PORT_SETTING, PollReport
+from kvfleet.operator.handlers import OperatorConfig, build_registry
+from kvfleet.operator.kopf_thread import start_kopf_thread
+from kvfleet.operator.kube_api import KubeApi
 
 NAMESPACE = "default"
 NAME = "demo"
@@ -34,110 +42,8 @@ MAX_TOKENS = 200
 HEAVY_CONCURRENCY = 12
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `demo autoscale` to the kvfleet CLI."""
-    demo = subparsers.add_parser(
-        "demo",
-        help="demonstrations that run on one machine",
-        description="Demonstrations that run on one machine.",
-    )
-    sub = demo.add_subparsers(dest="demo", required=True, metavar="DEMO")
-    p = sub.add_parser(
-        "autoscale",
-        help="scale real runtime pods on queue depth and KV usage, and plot it",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--duration",
-        type=float,
-        default=75.0,
-        metavar="S",
-        help="seconds of load once the first pod is ready (default 75; at least 30)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("autoscaling-timeline.png"),
-        metavar="PNG",
-        help="where to write the timeline plot (default autoscaling-timeline.png)",
-    )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the timeline as JSON"
-    )
-    p.set_defaults(func=run)
-
-
-def _emulator_module() -> Any:
-    """tests/operator/emulator.py of this source checkout (the demo's API server)."""
-    import importlib.util
-
-    import kvfleet.operator
-
-    path = Path(kvfleet.operator.__file__).resolve().parents[1] / "tests/operator/emulator.py"
-    if not path.is_file():
-        raise RuntimeError(f"{path} not found: the demo runs from a source checkout of kvfleet")
-    spec = importlib.util.spec_from_file_location("kvfleet_demo_emulator", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run(args: argparse.Namespace) -> int:
+async def autoscale(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every request succeeded and no pod crashed."""
-    import asyncio
-    import logging
-
-    if args.duration < 30:
-        print("kvfleet demo autoscale: error: --duration must be >= 30 seconds", file=sys.stderr)
-        return 2
-    try:
-        import kmock  # noqa: F401
-        import matplotlib  # noqa: F401
-
-        emulator = _emulator_module()
-    except (ImportError, RuntimeError) as exc:
-        print(
-            f"kvfleet demo autoscale: error: {exc}\n(the demo needs a source checkout with "
-            "the test extras: pip install -e '.[test]')",
-            file=sys.stderr,
-        )
-        return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("kopf", "aiohttp.access", "kvfleet.kubelet_sim", "kvfleet.autoscaler"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    try:
-        return asyncio.run(_demo(args, emulator))
-    except KeyboardInterrupt:
-        print("interrupted; every pod was stopped", file=sys.stderr)
-        return 130
-
-
-async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
-    import asyncio
-    import functools
-    import json
-    import os
-    import tempfile
-    import threading
-    import time
-
-    import aiohttp
-    import aiohttp.test_utils
-    import kmock
-    import yaml
-    from kvfleet.operator.autoscale_loop import (
-        OBSERVERS_SETTING,
-        RUNTIME_PORT_SETTING,
-        PollReport,
-    )
-    from kvfleet.operator.demo_load import EndpointLoad
-    from kvfleet.operator.handlers import OperatorConfig, build_registry
-    from kvfleet.operator.kopf_thread import start_kopf_thread
-    from kvfleet.operator.kube_api import KubeApi
-    from kvfleet.operator.kubelet_sim import KubeletSim
-
     polls: list[PollReport] = []
     t0 = time.time()
     phases: list[tuple[str, float, float]] = []
@@ -161,7 +67,7 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
             line += f"  {report.reason}"
         print(line, flush=True)
 
-    emulator = emulator_module.RealisticEmulator()
+    emulator = RealisticEmulator()
     emulator.declare_core()
     server_cls = functools.partial(aiohttp.test_utils.RawTestServer, keepalive_timeout=0.2)
     with tempfile.TemporaryDirectory(prefix="kvfleet-demo-") as tmp:
@@ -255,7 +161,33 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
 
     failed = [r for r in results if not r.ok]
     crashed = [e for e in events if e["event"] in ("crashed", "killed")]
-    timeline = {
+    timeline = _timeline(polls, phases, events, len(results), len(failed), t0)
+    if args.json:
+        args.json.write_text(json.dumps(timeline, indent=1) + "\n")
+    plot_timeline(timeline, args.out)
+    ups = sum(1 for p in polls if p.scaled and p.desired > p.current)
+    downs = sum(1 for p in polls if p.scaled and p.desired < p.current)
+    print(
+        f"{len(results)} requests, {len(failed)} failed; {ups} scale-ups, {downs} scale-downs; "
+        f"peak {max((p.desired for p in polls), default=0)} replicas; plot: {args.out}"
+    )
+    for e in crashed:
+        print(f"pod {e['pod']} {e['event']}: {e['detail']}", file=sys.stderr)
+    if failed:
+        print(f"first failure: {failed[0]}", file=sys.stderr)
+    return 1 if failed or crashed else 0
+
+
+def _timeline(
+    polls: list[PollReport],
+    phases: list[tuple[str, float, float]],
+    events: list[dict[str, Any]],
+    requests: int,
+    failed: int,
+    t0: float,
+) -> dict[str, Any]:
+    """What the demo saw, as --json writes it and the plot reads it (times from t0)."""
+    return {
         "settings": {
             "pollIntervalSeconds": POLL_SECONDS,
             "targetQueueDepth": TARGET_QUEUE,
@@ -281,22 +213,8 @@ async def _demo(args: argparse.Namespace, emulator_module: Any) -> int:
             for p in polls
         ],
         "pods": events,
-        "requests": {"total": len(results), "failed": len(failed)},
+        "requests": {"total": requests, "failed": failed},
     }
-    if args.json:
-        args.json.write_text(json.dumps(timeline, indent=1) + "\n")
-    plot_timeline(timeline, args.out)
-    ups = sum(1 for p in polls if p.scaled and p.desired > p.current)
-    downs = sum(1 for p in polls if p.scaled and p.desired < p.current)
-    print(
-        f"{len(results)} requests, {len(failed)} failed; {ups} scale-ups, {downs} scale-downs; "
-        f"peak {max((p.desired for p in polls), default=0)} replicas; plot: {args.out}"
-    )
-    for e in crashed:
-        print(f"pod {e['pod']} {e['event']}: {e['detail']}", file=sys.stderr)
-    if failed:
-        print(f"first failure: {failed[0]}", file=sys.stderr)
-    return 1 if failed or crashed else 0
 
 
 _ISVC = "kvfleet.dev/v1alpha1/inferenceservices"
@@ -335,60 +253,3 @@ def _inference_service() -> dict[str, Any]:
             },
         },
     }
-
-
-def plot_timeline(timeline: dict[str, Any], path: Path) -> None:
-    """Queue depth, KV usage and replicas over time, heavy-load phase shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    polls = timeline["polls"]
-    t = [p["t"] for p in polls]
-    fig, (ax_q, ax_kv, ax_r) = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
-    ax_q.plot(t, [p["waiting"] for p in polls], label="waiting (all pods)", color="tab:red")
-    ax_q.plot(t, [p["running"] for p in polls], label="running", color="tab:gray", lw=1)
-    ax_q.axhline(
-        timeline["settings"]["targetQueueDepth"],
-        ls=":",
-        color="tab:red",
-        lw=1,
-        label="target per replica",
-    )
-    ax_q.set_ylabel("requests")
-    ax_q.legend(loc="upper right", fontsize=8)
-    kv = [None if p["kv_usage"] is None else p["kv_usage"] * 100 for p in polls]
-    ax_kv.plot(t, kv, color="tab:blue", label="KV cache usage (mean)")
-    ax_kv.axhline(80, ls=":", color="tab:blue", lw=1, label="target 80%")
-    ax_kv.set_ylabel("KV usage %")
-    ax_kv.set_ylim(0, 100)
-    ax_kv.legend(loc="upper right", fontsize=8)
-    ax_r.step(t, [p["desired"] for p in polls], where="post", label="desired", color="tab:green")
-    ready_t, ready_n, serving = [0.0], [0], set()
-    for e in timeline["pods"]:
-        if e["event"] == "ready":
-            serving.add(e["pod"])
-        elif e["event"] in ("terminating", "crashed"):
-            serving.discard(e["pod"])
-        else:
-            continue
-        ready_t.append(e["t"])
-        ready_n.append(len(serving))
-    if t:
-        ready_t.append(t[-1])
-        ready_n.append(len(serving))
-    ax_r.step(ready_t, ready_n, where="post", label="ready pods", color="tab:olive", ls="--")
-    ax_r.set_ylabel("replicas")
-    ax_r.set_xlabel("seconds")
-    ax_r.set_yticks(range(0, timeline["settings"]["maxReplicas"] + 2))
-    ax_r.legend(loc="upper right", fontsize=8)
-    for ax in (ax_q, ax_kv, ax_r):
-        for phase in timeline["phases"]:
-            if phase["load"] == "heavy":
-                ax.axvspan(phase["start"], phase["end"], color="orange", alpha=0.12)
-        ax.grid(alpha=0.3)
-    ax_q.set_title("kvfleet autoscaler: heavy load shaded (real runtime pods, one machine)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from api_status import ApiError, Cause, invalid, quote
-from builtin_schemas import Shape, kind_definition, validator
-from canonical_quantity import QuantityError, canonical_quantity
-from core_rules import check_builtin
-from crd_schema import CrdSchema
-from object_meta_rules import check_metadata
+from kvfleet.devcluster.apiserver.api_status import ApiError, Cause, invalid, quote
+from kvfleet.devcluster.apiserver.builtin_schemas import Shape, kind_definition, validator
+from kvfleet.devcluster.apiserver.canonical_quantity import QuantityError, canonical_quantity
+from kvfleet.devcluster.apiserver.core_rules import check_builtin
+from kvfleet.devcluster.apiserver.crd_schema import CrdSchema
+from kvfleet.devcluster.apiserver.object_meta_rules import check_metadata
 
 
 @dataclass(slots=True)

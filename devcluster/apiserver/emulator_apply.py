@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from admission import Admission, WriteOptions
-from api_status import ApiError
 from kmock._internal import rendering
-from server_side_apply import apply
+from kvfleet.devcluster.apiserver.admission import Admission, WriteOptions
+from kvfleet.devcluster.apiserver.api_status import ApiError
+from kvfleet.devcluster.apiserver.server_side_apply import apply
 
 
 def request_manager(request: rendering.Request) -> str:

@@ -20,9 +20,8 @@ import jsonschema
 import referencing
 import yaml
 from kubernetes_validate.utils import all_versions
+from kvfleet.devcluster.source_checkout import CHART
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kvfleet" / "Chart.yaml"
 QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 

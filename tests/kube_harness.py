@@ -1,12 +1,14 @@
-"""The operator test harness: a realistic Kubernetes API emulator on 127.0.0.1 and the kvfleet
-operator on it, as fixtures and helpers. It has its own module name so every test folder can
-import it (`from kube_harness import ...`) without the clash of several `conftest` modules;
-tests/operator/conftest.py and tests/e2e/conftest.py expose its fixtures.
+"""The operator test harness: the dev cluster's Kubernetes API server
+(kvfleet.devcluster.apiserver) on 127.0.0.1 and the kvfleet operator on it, as fixtures and
+helpers. It lives in tests/, the folder of tests/conftest.py, which pytest puts on the import
+path, under its own module name, so every test folder can import it (`from kube_harness import
+...`) without the clash of several `conftest` modules; the conftest.py of tests/operator,
+tests/devcluster and tests/e2e expose its fixtures.
 
 Reuse (e.g. an autoscaler end-to-end test):
 
     async def test_x(operator):              # kopf runs the operator's handlers, standalone
-        k8s = operator.emulator               # tests/operator/emulator.py RealisticEmulator
+        k8s = operator.emulator               # devcluster/apiserver/emulator.py RealisticEmulator
         k8s.create_object(ISVC, sample("minimal"))
         await eventually(lambda: k8s.get(DEPLOYMENT, "default", "smollm2"))
         k8s.mutate(DEPLOYMENT, "default", "smollm2", lambda d: d["status"].update(...))
@@ -20,8 +22,8 @@ Reuse (e.g. an autoscaler end-to-end test):
   overriding it: a fixture returning a callable `(registry, config) -> None`.
 - `eventually(predicate, timeout=...)` (a helper, not a fixture): polls until truthy.
 
-Every server and watch is bounded: watches end after emulator_reads.WATCH_SECONDS, and the fixture
-closes them before stopping the server.
+Every server and watch is bounded: watches end after emulator_reads.WATCH_SECONDS, and the
+fixture closes them before stopping the server.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ import aiohttp.test_utils
 import kmock
 import pytest
 import yaml
-from emulator import RealisticEmulator
+from kvfleet.devcluster.apiserver.emulator import RealisticEmulator
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 ISVC = "kvfleet.dev/v1alpha1/inferenceservices"
 DEPLOYMENT = "apps/v1/deployments"
 SERVICE = "v1/services"

@@ -18,9 +18,9 @@ import pathlib
 from typing import Any
 
 import yaml
-from api_status import Cause
-from cel_rules import CelRule
-from crd_validation import SchemaValidator
+from kvfleet.devcluster.apiserver.api_status import Cause
+from kvfleet.devcluster.apiserver.cel_rules import CelRule
+from kvfleet.devcluster.apiserver.crd_validation import SchemaValidator
 
 _ROOT_KEPT = ("apiVersion", "kind", "metadata")  # never pruned at the root
 
