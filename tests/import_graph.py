@@ -13,6 +13,7 @@ PACKAGES = {
     "runtime": "kvfleet.runtime",
     "kernels": "kvfleet.kernels",
     "operator": "kvfleet.operator",
+    "devcluster": "kvfleet.devcluster",
     "kvfleet": "kvfleet",
 }
 

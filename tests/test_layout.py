@@ -1,7 +1,8 @@
 """The folders keep their boundaries (docs/architecture.md, "Boundaries"): the runtime never
 imports the operator, kopf or kubernetes; its engine and models never import its server or
-benchmarks; the router never imports the engine or torch; the operator never imports torch or
-the runtime. And pyproject ships every package, with the C sources."""
+benchmarks; the router never imports the engine or torch; the operator never imports torch,
+the runtime or the dev cluster; the dev cluster never imports torch or the runtime. And
+pyproject ships every package, with the C sources."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import tomllib
 import pytest
 from import_graph import ROOT, imported_modules, is_within, package_of
 
+# What kvfleet.devcluster needs beyond the operator's dependencies (pyproject's `dev` extra):
+# never imported by what runs in a cluster.
+DEV_ONLY = ("kmock", "cel_expr_python", "kubernetes_validate", "jsonschema", "matplotlib")
 # (folder, imports it must never make): the kernels' own rule is tests/kernels/test_kernel_layout.
+# The runtime's CLI reaches `kvfleet demo` by module name (importlib), not by an import.
 RULES = [
-    ("runtime", ("kopf", "kubernetes", "kvfleet.operator")),
+    ("runtime", ("kopf", "kubernetes", "kvfleet.operator", "kvfleet.devcluster")),
     ("runtime/engine", ("kvfleet.runtime.server", "kvfleet.runtime.bench")),
     ("runtime/models", ("kvfleet.runtime.server", "kvfleet.runtime.bench")),
     ("runtime/models", ("kvfleet.runtime.engine",)),
@@ -36,6 +41,11 @@ RULES = [
         ),
     ),
     ("operator", ("torch", "triton", "transformers", "kvfleet.runtime", "kvfleet.kernels")),
+    ("operator", ("kvfleet.devcluster", *DEV_ONLY)),
+    ("kernels", ("kvfleet.devcluster",)),
+    ("kvfleet", ("kvfleet.devcluster", *DEV_ONLY)),
+    # The dev cluster runs with the operator's dependencies plus the dev extra.
+    ("devcluster", ("torch", "triton", "transformers", "kvfleet.runtime", "kvfleet.kernels")),
 ]
 # What the router may take from the server: the torch-free error shape and runner.
 ROUTER_MAY_IMPORT_FROM_SERVER = {
@@ -109,11 +119,54 @@ def test_every_router_module_imports_with_torch_unimportable():
     assert "kvfleet.runtime.router.app" in modules
 
 
+def test_every_operator_module_imports_with_the_dev_extra_unimportable():
+    modules = sorted(
+        package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
+        for p in (ROOT / "operator").rglob("*.py")
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for m in {DEV_ONLY!r}:\n"
+        "    sys.modules[m] = None\n"  # importing them now raises
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "bad = [m for m in sys.modules if m.startswith('kvfleet.devcluster')]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert "kvfleet.operator.handlers" in modules
+
+
+def test_every_devcluster_module_imports_with_torch_unimportable():
+    modules = sorted(
+        package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
+        for p in (ROOT / "devcluster").rglob("*.py")
+    )
+    code = (
+        "import importlib, sys\n"
+        "for m in ('torch', 'triton', 'transformers'):\n"
+        "    sys.modules[m] = None\n"  # importing them now raises
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "bad = [m for m in sys.modules if m.split('.')[:2] in (['kvfleet', 'runtime'], "
+        "['kvfleet', 'kernels'])]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert "kvfleet.devcluster.apiserver.emulator" in modules
+
+
 def test_pyproject_ships_every_package_and_the_c_sources():
     """Editable installs find an unlisted sub-package anyway; a wheel would silently lack it."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = set(setuptools["packages"])
-    folders = sorted(p.parent for top in ("runtime", "kernels", "operator", "kvfleet")
+    folders = sorted(p.parent for top in ("runtime", "kernels", "operator", "devcluster", "kvfleet")
                      for p in (ROOT / top).rglob("__init__.py"))  # fmt: skip
     for folder in folders:
         package = package_of(folder)
@@ -122,4 +175,8 @@ def test_pyproject_ships_every_package_and_the_c_sources():
         patterns = setuptools.get("package-data", {}).get(package, [])
         unshipped = [n for n in data if not any(fnmatch.fnmatch(n, pat) for pat in patterns)]
         assert not unshipped, f"{package}'s package-data misses {unshipped}"
-    assert {"kvfleet.runtime.engine", "kvfleet.kernels.cpu"} <= packages
+    assert {
+        "kvfleet.runtime.engine",
+        "kvfleet.kernels.cpu",
+        "kvfleet.devcluster.apiserver",
+    } <= packages

@@ -154,14 +154,16 @@ def test_operator_image_installs_no_torch_and_kvfleet_without_deps() -> None:
 
 
 # `kvfleet demo autoscale` emulates a cluster (kmock) and plots (matplotlib): it runs from a
-# source checkout with the test extra, never in the operator image, which stays small.
+# source checkout with the dev extra, never in the operator image, which stays small.
 SOURCE_CHECKOUT_ONLY = {"cmd_demo.py": {"kmock", "matplotlib"}}
 
 
 def test_operator_image_installs_every_operator_import() -> None:
     reqs, _ = requirements(OPERATOR.pip_installs())
-    # runtime/cli.py is the console script's entry point, so the operator image runs it too.
-    imports = third_party_imports("operator", "kvfleet", files=("runtime/cli.py",))
+    # runtime/cli.py is the console script's entry point, so the operator image runs it too,
+    # and it imports every command module to build its parser, `kvfleet demo`'s included.
+    cli = ("runtime/cli.py", "devcluster/demo/cmd_demo.py")
+    imports = third_party_imports("operator", "kvfleet", files=cli)
     for file, dists in SOURCE_CHECKOUT_ONLY.items():
         for dist in dists:
             imports.get(dist, set()).discard(file)
@@ -179,6 +181,20 @@ def test_runtime_image_installs_every_runtime_import_but_not_the_operator() -> N
     missing = {d: sorted(f) for d, f in imports.items() if d not in reqs and d != "torch"}
     assert not missing, f"runtime image lacks packages its code imports: {missing}"
     assert "triton" in reqs
+
+
+@pytest.mark.parametrize("name", ["runtime", "operator"])
+def test_image_copies_every_package_folder_it_installs(name: str) -> None:
+    """`pip install .` needs every folder pyproject's package-dir names, in the build context
+    (the image's .dockerignore lets it through) and copied before the install."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = set(setuptools["package-dir"].values())
+    image = parse_dockerfile(DOCKER / f"{name}.Dockerfile")
+    copied = {shlex.split(args)[0].rstrip("/") for args in image.all("COPY")}
+    assert folders <= copied, f"{name}.Dockerfile never copies {sorted(folders - copied)}"
+    context = (DOCKER / f"{name}.Dockerfile.dockerignore").read_text().split()
+    let_in = {line[1:].rstrip("/") for line in context if line.startswith("!")}
+    assert folders <= let_in, f"{name}'s .dockerignore keeps out {sorted(folders - let_in)}"
 
 
 @pytest.mark.parametrize("image", [RUNTIME, OPERATOR], ids=["runtime", "operator"])
