@@ -232,7 +232,8 @@ def test_a_built_wheel_carries_the_crd_and_parses_with_it(tmp_path: Path) -> Non
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for folder in ("kvfleet", "runtime", "kernels", "operator"):
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for folder in set(setuptools["package-dir"].values()):  # every code folder the wheel maps
         shutil.copytree(
             ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
         )
