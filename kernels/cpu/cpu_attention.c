@@ -205,15 +205,14 @@ static inline void block_exp(float *score, int n, float m) {
 /* acc[0:d] = acc * corr + sum_t p[t] * v[t, 0:d], for n rows of v (row stride d). NV vectors of
  * W floats (64 floats: four on AVX-512, eight on AVX2) stay in registers across the n rows:
  * NV independent FMA chains, where one or two would leave each row waiting on the FMA's
- * 4-cycle latency (on AVX2 that wait was a third of a decode step's attention). Returns how
- * many of the d floats it covered; the caller's portable loop does the rest, with the same
+ * 4-cycle latency (on AVX2 that wait was a third of a decode step's attention). Starts at float
+ * i and returns how far it covered; the caller's portable loop does the rest, with the same
  * operations per element (gcc contracts its multiply-add into the same FMA), so the bits do
  * not depend on which loop a slice took. One body for both vector widths. */
-#define DEFINE_PV_SLICES(NV, W, VEC, MM)                                                        \
-    static inline int pv_slices(float *restrict acc, float corr, const float *restrict p,      \
-                                const float *restrict v, int n, int d) {                        \
+#define DEFINE_PV_SLICES(NAME, NV, W, VEC, MM)                                                  \
+    static inline int NAME(float *restrict acc, float corr, const float *restrict p,           \
+                           const float *restrict v, int n, int d, int i) {                      \
         const VEC c = MM##_set1_ps(corr);                                                       \
-        int i = 0;                                                                              \
         for (; i + NV * W <= d; i += NV * W) {                                                  \
             VEC a[NV];                                                                          \
             for (int j = 0; j < NV; j++) a[j] = MM##_mul_ps(MM##_loadu_ps(acc + i + j * W), c); \
@@ -228,19 +227,29 @@ static inline void block_exp(float *score, int n, float m) {
         return i;                                                                               \
     }
 #ifdef __AVX512F__
-DEFINE_PV_SLICES(4, 16, __m512, _mm512)
+DEFINE_PV_SLICES(pv_slices, 4, 16, __m512, _mm512)
 #elif defined(SCORE_KEYS)
-DEFINE_PV_SLICES(8, 8, __m256, _mm256)
+DEFINE_PV_SLICES(pv_slices, 8, 8, __m256, _mm256)
+/* What is left of d past the 64-float slices (head_dim 80, 96, 112, ...), LANES floats at a
+ * time. The portable loop's vector form on AVX2 hung on gcc's numbering of its temporaries:
+ * half its lanes vectorised in one build, none in another of the same source (16 scalar FMAs a
+ * row); this form is the same two FMAs a row in every build. */
+DEFINE_PV_SLICES(pv_lanes, 2, 8, __m256, _mm256)
 #else
-static inline int pv_slices(float *acc, float corr, const float *p, const float *v, int n, int d) {
+static inline int pv_slices(float *acc, float corr, const float *p, const float *v, int n, int d,
+                            int i) {
     (void)acc, (void)corr, (void)p, (void)v, (void)n, (void)d;
-    return 0;
+    return i;
 }
 #endif
 
 static inline void accumulate_pv(float *restrict acc, float corr, const float *restrict p,
                                  const float *restrict v, int n, int d) {
-    for (int i = pv_slices(acc, corr, p, v, n, d); i < d; i += LANES) {
+    int i = pv_slices(acc, corr, p, v, n, d, 0);
+#if defined(SCORE_KEYS) && !defined(__AVX512F__)
+    i = pv_lanes(acc, corr, p, v, n, d, i);
+#endif
+    for (; i < d; i += LANES) {
         float a[LANES];
         for (int l = 0; l < LANES; l++) a[l] = acc[i + l] * corr;
         for (int t = 0; t < n; t++) {
