@@ -1,8 +1,9 @@
-"""The C library behind the CPU path: in this folder (kernels/cpu/), cpu_attention.c,
-cpu_prefill.c, cpu_prefill_f32.c, cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c,
-cpu_gemm_f32.c and cpu_decode_step.c (with their shared headers cpu_math.h, cpu_amx.h,
-cpu_cache.h and cpu_entry_points.h, #included by name from the same folder), built into one
-shared object.
+"""The C library behind the CPU path: in this folder (kernels/cpu/), cpu_attention.c (with its
+paths cpu_attention_f32.c, cpu_attention_bf16.c and cpu_attention_amx.c), cpu_prefill.c,
+cpu_prefill_f32.c, cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c, cpu_gemm_f32.c and
+cpu_decode_step.c (with their headers cpu_math.h, cpu_amx.h, cpu_cache.h, cpu_entry_points.h,
+cpu_attention.h and cpu_vec_f32.h, #included by name from the same folder), built into one shared
+object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 _SOURCE_NAMES = (
     "cpu_attention.c",
+    "cpu_attention_f32.c",
+    "cpu_attention_bf16.c",
+    "cpu_attention_amx.c",
     "cpu_prefill.c",
     "cpu_prefill_f32.c",
     "cpu_cache.c",
@@ -43,7 +47,15 @@ _SOURCE_NAMES = (
     "cpu_decode_step.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
-HEADERS = [HERE / name for name in ("cpu_math.h", "cpu_amx.h", "cpu_cache.h", "cpu_entry_points.h")]
+_HEADER_NAMES = (
+    "cpu_math.h",
+    "cpu_amx.h",
+    "cpu_cache.h",
+    "cpu_entry_points.h",
+    "cpu_attention.h",
+    "cpu_vec_f32.h",
+)
+HEADERS = [HERE / name for name in _HEADER_NAMES]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # $KVFLEET_CPU_MAX_ISA=avx2 builds the kernels as for a CPU without AVX-512 (AMD before Zen 4,
