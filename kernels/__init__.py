@@ -1,3 +1,4 @@
 """kvfleet.kernels: attention and cache ops — Triton kernels (`triton/`) and C kernels for the CPU
-(`cpu/`) with torch references (`reference`) behind one dispatch (`kvfleet.kernels.dispatch`);
-their benchmarks in `bench/`. Kept import-light: the dispatch module pulls in torch."""
+(`cpu/`) with torch references (`reference`) behind one dispatch (`kvfleet.kernels.dispatch`),
+routed by a frozen kernel policy (`kvfleet.kernels.policy`); their benchmarks in `bench/`. Kept
+import-light: the dispatch module pulls in torch."""

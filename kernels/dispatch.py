@@ -4,13 +4,18 @@
 float32 GEMMs of decode-sized steps (cpu_gemm_f32) where they take the inputs, else the torch
 reference.
 
-`set_backend("triton")` forces the Triton path on any device (tests run it on CPU under
-TRITON_INTERPRET=1); "auto" picks Triton for CUDA tensors when triton is importable.
+A `Kernels` object routes every op by one frozen `KernelPolicy` (kernels/policy.py): a model
+builds one at start and calls its methods, so two models with different policies in one process
+route independently, and no module state decides a path. The policy's backend "triton" forces
+the Triton path on any device (tests run it on CPU under TRITON_INTERPRET=1); "auto" picks
+Triton for CUDA tensors when triton is importable. What no policy decides (where weights and
+caches live, how weights are packed, greedy argmax) are module functions.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,31 +33,16 @@ from kvfleet.kernels.cpu import (
 )
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 
-_BACKENDS = ("auto", "torch", "triton")
-_backend = "auto"
-
-
-def set_backend(name: str) -> None:
-    """Choose the kernel backend for every op: "auto", "torch" or "triton"."""
-    global _backend
-    if name not in _BACKENDS:
-        raise ValueError(f"kernel backend: must be one of {', '.join(_BACKENDS)}, got {name!r}")
-    _backend = name
-
-
-def get_backend() -> str:
-    """The backend set by `set_backend` (default "auto")."""
-    return _backend
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether ops on tensor `t` run the Triton kernels under the current backend."""
-    if _backend == "torch":
-        return False
-    if _backend == "triton":
-        return True
-    return t.is_cuda and _triton_available()
+# The names `Kernels.linear_path` gives the kernels a projection may run on: a benchmark reports
+# each figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL,
+# cuBLAS).
+PATH_AMX = "AMX"
+PATH_AVX512_BF16 = "AVX512-BF16"
+PATH_AVX512_F32 = "AVX-512 float32"
+PATH_AVX2 = "AVX2"
+PATH_TORCH = "torch"
 
 
 @functools.cache
@@ -74,199 +64,19 @@ def memory_arena(device: torch.device | str) -> HugePageArena | None:
     return HugePageArena() if torch.device(device).type == "cpu" else None
 
 
-def allocate_kv_cache(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    arena: HugePageArena | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K/V caches, [num_blocks, block_size, num_kv_heads, head_dim], in the memory
-    layout the backend that will read them wants: contiguous for the Triton kernels, head-major
-    storage for the torch path (its decode gather copies whole blocks of one head). CPU caches
-    come from `arena` if given."""
-    probe = torch.empty(0, device=device)
-    return reference.allocate_kv_cache(
-        num_blocks,
-        block_size,
-        num_kv_heads,
-        head_dim,
-        dtype,
-        device,
-        head_major=not use_triton(probe),
-        arena=arena if probe.device.type == "cpu" else None,
-    )
-
-
 def prepack_linear_weight(
     weight: torch.Tensor, arena: HugePageArena | None = None
 ) -> torch.Tensor | cpu_linear.PackedLinear:
-    """The form of a [out, in] projection weight that `linear` runs fastest: for bf16 CPU
-    weights a `cpu_linear.PackedLinear` (oneDNN's blocked layout, plus AMX tile order where
-    that kernel runs; the plain weight can then be freed); other CPU weights copied into
-    `arena` when one is given (the same values, on huge pages); else the weight itself. Call
-    once, after the weights are loaded."""
+    """The form of a [out, in] projection weight that `Kernels.linear` runs fastest: for bf16
+    CPU weights a `cpu_linear.PackedLinear` (oneDNN's blocked layout, plus AMX tile order where
+    that kernel runs, whatever a policy lets it take; the plain weight can then be freed);
+    other CPU weights copied into `arena` when one is given (the same values, on huge pages);
+    else the weight itself. Call once, after the weights are loaded."""
     if cpu_linear.supports(weight) and cpu_linear.available():
         return cpu_linear.pack(weight, arena)
     if arena is not None and weight.device.type == "cpu":
         return arena.copy(weight.detach())
     return weight
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor | cpu_linear.PackedLinear,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned. float32
-    decode-sized steps on CPU run kvfleet's AVX-512 or AVX2 kernel (`cpu_gemm_f32`)."""
-    if isinstance(weight, cpu_linear.PackedLinear):
-        return cpu_linear.linear(x, weight, bias)
-    if cpu_gemm_f32.takes(x, weight, bias):
-        return cpu_gemm_f32.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-# The names `linear_path` gives the kernels a projection may run on: a benchmark reports each
-# figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL, cuBLAS).
-PATH_AMX = "AMX"
-PATH_AVX512_BF16 = "AVX512-BF16"
-PATH_AVX512_F32 = "AVX-512 float32"
-PATH_AVX2 = "AVX2"
-PATH_TORCH = "torch"
-
-
-def linear_path(weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> str:
-    """Which kernel `linear` runs for a step of `rows` rows through `weight` (one of the PATH_*
-    names), asked of the same predicates that route the call."""
-    if isinstance(weight, cpu_linear.PackedLinear):
-        if cpu_linear.gemm_tiles(weight, rows) is None:
-            return PATH_TORCH
-        return PATH_AMX if cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX else PATH_AVX512_BF16
-    x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    if not cpu_gemm_f32.takes(x, weight):
-        return PATH_TORCH
-    return PATH_AVX512_F32 if cpu_gemm_f32.lanes() == 16 else PATH_AVX2
-
-
-def rms_norm_linear(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | cpu_linear.PackedLinear,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)` and the residual
-    `rms_norm` returns. Decode-sized CPU steps on cpu_gemm (AMX or AVX512-BF16) normalise the
-    rows on their way into it (one call, same numbers); everything else makes the two calls."""
-    tiles = cpu_linear.gemm_tiles(weight, x.shape[0])
-    if tiles is not None and cpu_elementwise.supports_rms_norm(x, norm_weight, residual):
-        return cpu_gemm.rms_norm_linear(x, norm_weight, eps, residual, tiles, bias)
-    normed, residual = rms_norm(x, norm_weight, eps, residual)
-    return linear(normed, weight, bias), residual
-
-
-def silu_and_mul_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor | cpu_linear.PackedLinear,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`linear(silu_and_mul(x), weight, bias)`: SwiGLU's gate and the down projection, in one
-    call on decode-sized CPU steps on cpu_gemm (same numbers), else the two calls."""
-    tiles = cpu_linear.gemm_tiles(weight, x.shape[0])
-    if tiles is not None and cpu_elementwise.supports_silu_and_mul(x):
-        return cpu_gemm.silu_and_mul_linear(x, tiles, bias)
-    return linear(silu_and_mul(x), weight, bias)
-
-
-def rotary_and_cache(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping):
-    """`rotary_embedding` of q and k, then `reshape_and_cache` of the rotated k and v; returns
-    the rotated q. On CPU one C call does both (a decode step makes 30 of them)."""
-    if use_triton(query):
-        query, key = rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)
-        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-        return query
-    return cpu_elementwise.rotary_and_cache(
-        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
-    )
-
-
-def decode_stack(
-    layers: list[cpu_decode_step.LayerWeights],
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    cos_sin_cache: torch.Tensor,
-    shape: cpu_decode_step.StackShape,
-) -> cpu_decode_step.DecodeStack | None:
-    """The whole decoder stack's decode step as one C call where the CPU path takes these
-    weights and caches (`cpu_decode_step.build`), else None: the model then runs its layers op
-    by op, as it always does under Triton."""
-    if use_triton(cos_sin_cache):
-        return None
-    return cpu_decode_step.build(layers, kv_caches, cos_sin_cache, shape)
-
-
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is skipped."""
-    if use_triton(key):
-        from kvfleet.kernels.triton import triton_cache
-
-        triton_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-        return
-    cpu_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Attention for a mixed batch (decodes first) reading K/V from the paged cache."""
-    if use_triton(query):
-        from kvfleet.kernels.triton import triton_attention
-
-        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
-    # Decodes of CPU tensors on head-major caches go to the C kernel (several times faster than
-    # the reference's gather + batched matmuls), bf16 prefills to the AMX kernel where the CPU
-    # has AMX (1.7-2.6x SDPA, `kvfleet bench cpu-kernels`), others to the AVX-512 or AVX2 one
-    # (which leaves long contexts to the reference: `cpu_prefill.takes`); anything else stays
-    # on the reference.
-    decode_fn = prefill_fn = None
-    if cpu_attention.supports(query, k_cache, v_cache) and cpu_attention.available():
-        decode_fn = cpu_attention.run_decode
-    has_prefills = meta.num_seqs > meta.num_decodes
-    if (
-        has_prefills
-        and cpu_prefill.supports(query, k_cache, v_cache)
-        and cpu_prefill.available(query.dtype)
-    ):
-        prefill_fn = cpu_prefill.run_prefill
-    return reference.paged_attention(
-        query, k_cache, v_cache, meta, scale, decode_fn=decode_fn, prefill_fn=prefill_fn
-    )
-
-
-def rms_norm(x, weight, eps, residual=None):
-    """(norm(x + residual) * weight in x's dtype, x + residual in float32). A float32
-    `residual` may be updated in place to become the second result: callers must not reuse it."""
-    if use_triton(x):
-        from kvfleet.kernels.triton import triton_rms_norm
-
-        return triton_rms_norm.rms_norm(x, weight, eps, residual)
-    return cpu_elementwise.rms_norm(x, weight, eps, residual)
-
-
-def silu_and_mul(x):
-    """SwiGLU's gate: silu(x[..., :d]) * x[..., d:]."""
-    if use_triton(x):
-        from kvfleet.kernels.triton import triton_silu_and_mul
-
-        return triton_silu_and_mul.silu_and_mul(x)
-    return cpu_elementwise.silu_and_mul(x)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -275,10 +85,202 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return cpu_argmax.argmax(x)
 
 
-def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):
-    """Rotate q and k by their positions; returns (q, k)."""
-    if use_triton(query):
-        from kvfleet.kernels.triton import triton_rotary
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """Every op whose kernel a policy chooses, routed by `policy`."""
 
-        return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
-    return cpu_elementwise.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    policy: KernelPolicy = DEFAULT_POLICY
+
+    def use_triton(self, t: torch.Tensor) -> bool:
+        """Whether ops on tensor `t` run the Triton kernels under this policy's backend."""
+        backend = self.policy.backend
+        if backend == "torch":
+            return False
+        if backend == "triton":
+            return True
+        return t.is_cuda and _triton_available()
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        arena: HugePageArena | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V caches, [num_blocks, block_size, num_kv_heads, head_dim], in the
+        memory layout the backend that will read them wants: contiguous for the Triton kernels,
+        head-major storage for the torch path (its decode gather copies whole blocks of one
+        head). CPU caches come from `arena` if given."""
+        probe = torch.empty(0, device=device)
+        return reference.allocate_kv_cache(
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            head_major=not self.use_triton(probe),
+            arena=arena if probe.device.type == "cpu" else None,
+        )
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | cpu_linear.PackedLinear,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned.
+        float32 decode-sized steps on CPU run kvfleet's AVX-512 or AVX2 kernel
+        (`cpu_gemm_f32`) up to the policy's row limit."""
+        if isinstance(weight, cpu_linear.PackedLinear):
+            return cpu_linear.linear(x, weight, bias, policy=self.policy)
+        if cpu_gemm_f32.takes(x, weight, bias, policy=self.policy):
+            return cpu_gemm_f32.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def linear_path(self, weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> str:
+        """Which kernel `linear` runs for a step of `rows` rows through `weight` (one of the
+        PATH_* names), asked of the same predicates that route the call."""
+        if isinstance(weight, cpu_linear.PackedLinear):
+            if cpu_linear.gemm_tiles(weight, rows, self.policy) is None:
+                return PATH_TORCH
+            amx = cpu_gemm.kernel(self.policy) == cpu_gemm.KERNEL_AMX
+            return PATH_AMX if amx else PATH_AVX512_BF16
+        x = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        if not cpu_gemm_f32.takes(x, weight, policy=self.policy):
+            return PATH_TORCH
+        return PATH_AVX512_F32 if cpu_gemm_f32.lanes() == 16 else PATH_AVX2
+
+    def rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | cpu_linear.PackedLinear,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)` and the residual
+        `rms_norm` returns. Decode-sized CPU steps on cpu_gemm (AMX or AVX512-BF16) normalise
+        the rows on their way into it (one call, same numbers); everything else makes the two
+        calls."""
+        tiles = cpu_linear.gemm_tiles(weight, x.shape[0], self.policy)
+        if tiles is not None and cpu_elementwise.supports_rms_norm(x, norm_weight, residual):
+            return cpu_gemm.rms_norm_linear(
+                x, norm_weight, eps, residual, tiles, bias, policy=self.policy
+            )
+        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(normed, weight, bias), residual
+
+    def silu_and_mul_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | cpu_linear.PackedLinear,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`linear(silu_and_mul(x), weight, bias)`: SwiGLU's gate and the down projection, in
+        one call on decode-sized CPU steps on cpu_gemm (same numbers), else the two calls."""
+        tiles = cpu_linear.gemm_tiles(weight, x.shape[0], self.policy)
+        if tiles is not None and cpu_elementwise.supports_silu_and_mul(x):
+            return cpu_gemm.silu_and_mul_linear(x, tiles, bias, policy=self.policy)
+        return self.linear(self.silu_and_mul(x), weight, bias)
+
+    def rotary_and_cache(
+        self, positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+    ):
+        """`rotary_embedding` of q and k, then `reshape_and_cache` of the rotated k and v;
+        returns the rotated q. On CPU one C call does both (a decode step makes 30 of them)."""
+        if self.use_triton(query):
+            query, key = self.rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True)
+            self.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+            return query
+        return cpu_elementwise.rotary_and_cache(
+            positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+
+    def decode_stack(
+        self,
+        layers: list[cpu_decode_step.LayerWeights],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cos_sin_cache: torch.Tensor,
+        shape: cpu_decode_step.StackShape,
+    ) -> cpu_decode_step.DecodeStack | None:
+        """The whole decoder stack's decode step as one C call where the CPU path takes these
+        weights and caches (`cpu_decode_step.build`), else None: the model then runs its layers
+        op by op, as it always does under Triton. Each step asks it under this policy whether
+        it runs (`DecodeStack.accepts`)."""
+        if self.use_triton(cos_sin_cache):
+            return None
+        return cpu_decode_step.build(layers, kv_caches, cos_sin_cache, shape)
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        """Write new K/V ([tokens, kv_heads, head_dim]) into their cache slots; slot -1 is
+        skipped."""
+        if self.use_triton(key):
+            from kvfleet.kernels.triton import triton_cache
+
+            triton_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+            return
+        cpu_cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention for a mixed batch (decodes first) reading K/V from the paged cache."""
+        if self.use_triton(query):
+            from kvfleet.kernels.triton import triton_attention
+
+            return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
+        # Decodes of CPU tensors on head-major caches go to the C kernel (several times faster
+        # than the reference's gather + batched matmuls), bf16 prefills to the AMX kernel where
+        # the CPU has AMX and the policy allows it (1.7-2.6x SDPA, `kvfleet bench cpu-kernels`),
+        # others to the AVX-512 or AVX2 one (which leaves long contexts to the reference:
+        # `cpu_prefill.takes`); anything else stays on the reference.
+        policy = self.policy
+        decode_fn = prefill_fn = None
+        if cpu_attention.supports(query, k_cache, v_cache) and cpu_attention.available():
+            decode_fn = functools.partial(cpu_attention.run_decode, policy=policy)
+        has_prefills = meta.num_seqs > meta.num_decodes
+        if (
+            has_prefills
+            and cpu_prefill.supports(query, k_cache, v_cache, policy=policy)
+            and cpu_prefill.available(query.dtype, policy=policy)
+        ):
+            prefill_fn = functools.partial(cpu_prefill.run_prefill, policy=policy)
+        return reference.paged_attention(
+            query, k_cache, v_cache, meta, scale, decode_fn=decode_fn, prefill_fn=prefill_fn
+        )
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        """(norm(x + residual) * weight in x's dtype, x + residual in float32). A float32
+        `residual` may be updated in place to become the second result: callers must not reuse
+        it."""
+        if self.use_triton(x):
+            from kvfleet.kernels.triton import triton_rms_norm
+
+            return triton_rms_norm.rms_norm(x, weight, eps, residual)
+        return cpu_elementwise.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x):
+        """SwiGLU's gate: silu(x[..., :d]) * x[..., d:]."""
+        if self.use_triton(x):
+            from kvfleet.kernels.triton import triton_silu_and_mul
+
+            return triton_silu_and_mul.silu_and_mul(x)
+        return cpu_elementwise.silu_and_mul(x)
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache, is_neox=True):
+        """Rotate q and k by their positions; returns (q, k)."""
+        if self.use_triton(query):
+            from kvfleet.kernels.triton import triton_rotary
+
+            return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+        return cpu_elementwise.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bf16_engines import ENGINES, force_bf16_engine
+from bf16_engines import ENGINES, Bf16Engine, bf16_engine
 from tiny_models import make_tiny_model
 
 
@@ -33,7 +33,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) 
 
 
 @pytest.fixture(params=ENGINES)
-def bf16_gemm_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each engine of the bf16 decode-sized GEMM in turn (`bf16_engines.force_bf16_engine`)."""
-    force_bf16_engine(monkeypatch, request.param)
-    return request.param
+def bf16_gemm_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Bf16Engine:
+    """Each engine of the bf16 decode-sized GEMM in turn, with the kernel policy that runs it
+    (`bf16_engines.bf16_engine`)."""
+    return bf16_engine(monkeypatch, request.param)

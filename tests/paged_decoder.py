@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_logits
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.runtime.models.llama import LlamaModel
@@ -25,7 +24,7 @@ class Decoder:
         per_seq = (max(lengths) + 8) // block_size + 1
         num_blocks = len(lengths) * per_seq + 3
         self.kv = [
-            dispatch.allocate_kv_cache(
+            net.kernels.allocate_kv_cache(
                 num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu")
             )
             for _ in range(cfg.num_layers)
@@ -64,9 +63,11 @@ class Decoder:
         with torch.inference_mode():
             return self.net(torch.tensor(ids), torch.tensor(positions), self.kv, meta)
 
-    def fork(self) -> Decoder:
-        """A copy with the same cache bytes, tables and token stream, on the same model."""
+    def fork(self, net: LlamaModel | None = None) -> Decoder:
+        """A copy with the same cache bytes, tables and token stream, on `net` (a model with
+        the same weights, under a kernel policy of its own) or else on the same model."""
         twin = copy.copy(self)
+        twin.net = net if net is not None else self.net
         twin.kv = [(k.clone(), v.clone()) for k, v in self.kv]
         twin.lens, twin.tables = list(self.lens), self.tables.clone()
         twin.gen = torch.Generator().set_state(self.gen.get_state())
@@ -79,8 +80,8 @@ class Decoder:
     def decode_one_call(
         self, one_call: cpu_decode_logits.DecodeLogits, argmax: bool = False
     ) -> tuple[torch.Tensor, list[int] | None]:
-        """The same step as `decode` (the same tokens), through the one-call step: its logits
-        and, asked, their argmaxes."""
+        """The same step as `decode` (the same tokens), through the one-call step under the
+        model's kernel policy: its logits and, asked, their argmaxes."""
         ids = [int(t) for t in self._next_tokens()]
         positions = list(self.lens)
         slots = [
@@ -92,7 +93,9 @@ class Decoder:
             row[: -(-n // self.block_size)].tolist()
             for row, n in zip(self.tables, self.lens, strict=True)
         ]
-        return one_call.run(ids, positions, slots, list(self.lens), tables, argmax)
+        return one_call.run(
+            ids, positions, slots, list(self.lens), tables, argmax, policy=self.net.kernels.policy
+        )
 
     def _next_tokens(self) -> torch.Tensor:
         return torch.randint(0, 1000, (len(self.lens),), generator=self.gen)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import torch
 from kvfleet.kernels import reference
 from kvfleet.kernels.cpu import cpu_library
+from kvfleet.kernels.policy import KernelPolicy
 
 _DTYPES = cpu_library.DTYPE_CODES
 _MAX_HEAD_DIM, _LANES, _MAX_BLOCK_SIZE = 256, 16, 256
 _ERRORS = {1: "unsupported shape or dtype", 2: "out of memory for per-thread scratch"}
-# Whether bf16 caches with head_dim 64 may take the AMX path where the CPU has it (tests turn
-# it off to check the AVX512-BF16 dot path on the same machine).
-ALLOW_AMX = True
 
 
 def uses_bf16_dot() -> bool:
@@ -24,7 +22,7 @@ def uses_bf16_dot() -> bool:
 
 def uses_amx() -> bool:
     """Whether bf16 caches with head_dim 64 and blocks of a multiple of 16 tokens run on AMX
-    tiles here (unless `ALLOW_AMX` is turned off)."""
+    tiles here (where a policy's `allow_amx` lets them)."""
     return available() and bool(cpu_library.library().kvfleet_cpu_attention_amx())
 
 
@@ -61,14 +59,19 @@ def decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    *,
+    policy: KernelPolicy,
 ) -> torch.Tensor:
-    """`reference.decode_attention` computed by the C kernel; inputs it cannot take (see
-    `supports`) or a disabled/unbuildable kernel go to the reference instead."""
+    """`reference.decode_attention` computed by the C kernel (its AMX path where `policy`
+    allows it); inputs it cannot take (see `supports`) or a disabled/unbuildable kernel go to
+    the reference instead."""
     if not (available() and supports(query, k_cache, v_cache)):
         return reference.decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale
         )
-    return run_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    return run_decode(
+        query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, policy=policy
+    )
 
 
 def run_decode(
@@ -79,6 +82,8 @@ def run_decode(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    *,
+    policy: KernelPolicy,
 ) -> torch.Tensor:
     """`decode_attention` for callers that have checked `available()` and `supports()` (the
     dispatch does, once per layer). Runs 30 times a step: a bf16 query goes in as it is, rows
@@ -104,7 +109,7 @@ def run_decode(
         k_cache.data_ptr(), v_cache.data_ptr(), _DTYPES[k_cache.dtype],
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-        scale, torch.get_num_threads(), int(ALLOW_AMX),
+        scale, torch.get_num_threads(), int(policy.allow_amx),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"CPU decode attention kernel: {_ERRORS.get(status, status)}")

@@ -16,13 +16,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from kvfleet.kernels.cpu import (
-    cpu_attention,
-    cpu_decode_step,
-    cpu_elementwise,
-    cpu_gemm,
-    cpu_library,
-)
+from kvfleet.kernels.cpu import cpu_decode_step, cpu_elementwise, cpu_gemm, cpu_library
+from kvfleet.kernels.policy import KernelPolicy
 
 _BF16 = torch.bfloat16
 
@@ -70,12 +65,13 @@ class DecodeLogits:
         # One view per row count, made once: a slice per step would be a torch call.
         self._views: dict[int, torch.Tensor] = {}
 
-    def accepts(self, rows: int, max_blocks: int) -> bool:
+    def accepts(self, rows: int, max_blocks: int, policy: KernelPolicy) -> bool:
         """Whether a decode-only step of `rows` sequences, the longest holding `max_blocks`
-        blocks, runs here: the rows the fused stack takes, within the buffers."""
+        blocks, runs here under `policy`: the fused step allowed, the rows the fused stack
+        takes, within the buffers."""
         return (
-            cpu_decode_step.ENABLED
-            and self.stack.takes_rows(rows)
+            policy.fused_decode_step
+            and self.stack.takes_rows(rows, policy)
             and rows <= self.max_rows
             and max_blocks <= self.max_blocks
         )
@@ -88,8 +84,11 @@ class DecodeLogits:
         seq_lens: list[int],
         tables: list[list[int]],
         argmax: bool = False,
+        *,
+        policy: KernelPolicy,
     ) -> tuple[torch.Tensor, list[int] | None]:
-        """float32 logits [rows, lm_head_rows] of a step `accepts` took: one token per sequence
+        """float32 logits [rows, lm_head_rows] of a step `accepts` took under `policy` (whose
+        engines it runs): one token per sequence
         (`input_ids[i]` at `positions[i]`, its K/V into slot `slots[i]`), each sequence's length
         with that token and its block table; with `argmax`, each row's argmax (else None).
         Writes the step's K/V into the stack's caches."""
@@ -108,11 +107,11 @@ class DecodeLogits:
         args = (
             ctypes.byref(self.stack.c_struct), ctypes.byref(self._ends), self._ids, m,
             self._positions, self._slots, self._tables, stride, self._seq_lens,
-            out.data_ptr(), self._argmax if argmax else None, int(cpu_attention.ALLOW_AMX),
+            out.data_ptr(), self._argmax if argmax else None, int(policy.allow_amx),
             torch.get_num_threads(),
         )  # fmt: skip
         if self.stack.dtype == _BF16:
-            status = lib.kvfleet_decode_logits_bf16(*args, cpu_gemm.kernel())
+            status = lib.kvfleet_decode_logits_bf16(*args, cpu_gemm.kernel(policy))
         else:
             status = lib.kvfleet_decode_logits_f32(*args)
         if status == cpu_decode_step.TOKEN_STATUS:

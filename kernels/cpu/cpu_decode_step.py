@@ -10,11 +10,12 @@ on an AVX-512-only host a float32 one from 41.9 to 32.8 ms at 4 sequences, 87.2 
 and 293.6 to 275.3 at 128 (`--dtype float32`, docs/results/bench-decode-step-float32.json).
 
 Two forms, by the model's dtype. bf16: weights prepacked for cpu_gemm (whose AMX engine runs on
-AMX hosts, its AVX512-BF16 one elsewhere), head-major bf16 caches, up to `cpu_gemm.max_rows()`
-sequences. float32 (the CPU default without AVX512-BF16):
-plain weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`.
+AMX hosts, its AVX512-BF16 one elsewhere), head-major bf16 caches, up to
+`cpu_gemm.max_rows(policy)` sequences. float32 (the CPU default without AVX512-BF16): plain
+weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`.
 `build` says once per stack and set of caches whether one applies; `DecodeStack.accepts` says
-per step (decodes only, as many as the per-op path runs on the same GEMM kernel).
+per step, under the kernel policy the step runs (decodes only, as many as the per-op path runs
+on the same GEMM kernel, and only where the policy allows the fused step).
 """
 
 from __future__ import annotations
@@ -34,10 +35,7 @@ from kvfleet.kernels.cpu import (
     cpu_linear,
 )
 from kvfleet.kernels.metadata import AttentionMetadata
-
-# Whether decode steps may take the fused call (tests turn it off to run the per-op path on the
-# same model and compare).
-ENABLED = True
+from kvfleet.kernels.policy import KernelPolicy
 
 _BF16 = torch.bfloat16
 # cpu_decode_step.c's stage codes, for error messages.
@@ -119,7 +117,8 @@ class StackShape:
 class DecodeStack:
     """A decoder stack's weights and K/V caches as cpu_decode_step.c reads them. It holds every
     tensor it points at, so the pointers stay valid for its lifetime; it is bound to those
-    caches (`build` again for others)."""
+    caches (`build` again for others). It holds no kernel choice: each step's policy decides
+    whether it runs and on which engines."""
 
     def __init__(
         self,
@@ -176,21 +175,23 @@ class DecodeStack:
         """The DecodeStack struct the C calls take (by reference)."""
         return self._stack
 
-    def takes_rows(self, rows: int) -> bool:
-        """Whether a decode step of `rows` sequences runs here: as many as the per-op path would
-        run on the same GEMM kernel (`cpu_gemm.max_rows()` in bf16, `cpu_gemm_f32.min_rows()`
-        to `MAX_ROWS` in float32), so that fused and per-op give the same bits."""
+    def takes_rows(self, rows: int, policy: KernelPolicy) -> bool:
+        """Whether a decode step of `rows` sequences runs here under `policy`: as many as the
+        per-op path would run on the same GEMM kernel (`cpu_gemm.max_rows(policy)` in bf16,
+        `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32), so that
+        fused and per-op give the same bits."""
         if self.dtype == _BF16:
-            lo, hi = 1, cpu_gemm.max_rows()
+            lo, hi = 1, cpu_gemm.max_rows(policy)
         else:
-            lo, hi = cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
+            lo, hi = cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
         return lo <= rows <= hi
 
-    def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether this step runs here: only decodes, as many as `takes_rows`."""
+    def accepts(self, meta: AttentionMetadata, rows: int, policy: KernelPolicy) -> bool:
+        """Whether this step runs here under `policy`: the fused step allowed, only decodes, as
+        many as `takes_rows`."""
         return (
-            ENABLED
-            and self.takes_rows(rows)
+            policy.fused_decode_step
+            and self.takes_rows(rows, policy)
             and meta.num_decodes == rows == meta.num_seqs
             and meta.block_tables.dtype == torch.int32
             and meta.block_tables.stride(-1) == 1
@@ -202,11 +203,15 @@ class DecodeStack:
         )
 
     def run(
-        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        policy: KernelPolicy,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after the last layer for a step `accepts` took: the pair the
-        per-op layer loop returns. `hidden` ([rows, hidden] embeddings in the stack's dtype) is
-        overwritten."""
+        """(hidden, residual) after the last layer for a step `accepts` took under `policy`
+        (whose engines it runs): the pair the per-op layer loop returns. `hidden` ([rows,
+        hidden] embeddings in the stack's dtype) is overwritten."""
         rows = hidden.shape[0]
         if (
             hidden.shape != (rows, self.hidden)
@@ -226,12 +231,12 @@ class DecodeStack:
         args = (
             ctypes.byref(self._stack), hidden.data_ptr(), residual.data_ptr(), rows,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-            tables.stride(0), meta.seq_lens.data_ptr(), int(cpu_attention.ALLOW_AMX),
+            tables.stride(0), meta.seq_lens.data_ptr(), int(policy.allow_amx),
             torch.get_num_threads(),
         )  # fmt: skip
         if self.dtype == _BF16:
             # The engine the per-op path's projections run on, asked per step as they ask it.
-            status = lib.kvfleet_decode_step_bf16(*args, cpu_gemm.kernel())
+            status = lib.kvfleet_decode_step_bf16(*args, cpu_gemm.kernel(policy))
         else:
             status = lib.kvfleet_decode_step_f32(*args)
         if status != 0:
@@ -311,7 +316,8 @@ def build(
     shape: StackShape,
 ) -> DecodeStack | None:
     """The fused decode step for these weights and caches, or None where it does not apply
-    (then the model keeps its per-op layer loop, which handles every case)."""
+    (then the model keeps its per-op layer loop, which handles every case). Whether a step
+    takes it is its policy's say (`DecodeStack.accepts`)."""
     if not (layers and len(layers) == len(kv_caches)):
         return None
     dtype = layers[0].input_norm.dtype

@@ -12,6 +12,10 @@ hundred rows oneDNN's kernels for the bundled model's narrow shapes (576-3072 co
 engines read weights prepacked (`pack`) into the byte order of AMX B tiles, in the order they
 use them. Same numbers as oneDNN up to float32 summation order: all multiply bf16 pairs exactly
 and accumulate in float32, and all round the result to bf16 once.
+
+Which engine runs, and up to how many rows, is the caller's `KernelPolicy` (`allow_amx`, the
+row limits `amx_gemm_max_rows` and `avx512_bf16_gemm_max_rows`, with the measurements behind
+them); what this CPU can run is probed once.
 """
 
 from __future__ import annotations
@@ -21,30 +25,12 @@ import functools
 import torch
 from kvfleet.kernels.cpu import cpu_library
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
+from kvfleet.kernels.policy import KernelPolicy
 
-# Row counts the AMX engine takes from oneDNN. Up to 96 rows it streams the weights 1.1-1.9x
-# faster; at 128-1024 rows (a serving batch's decodes plus a new prompt) it computes 1.1x faster
-# (`kvfleet bench cpu-kernels`, docs/results/bench-cpu-kernels-1024.json); on a real run's
-# steps, capped at 32 sequences, the forward took a median 0.81x the time with this limit than
-# with 96 (faster in 82 of 88 steps, `kvfleet bench gemm-rows`,
-# docs/results/bench-gemm-rows-c32.json). At 2048 rows oneDNN's blocking wins (1.13x,
-# docs/results/bench-gemm-rows-offline.json): full prefill steps stay there.
-MAX_ROWS = 1024
-# Row counts the AVX512-BF16 vector engine takes from oneDNN. On a 2-core Zen 4 host it streams
-# a step's projections 2.3x faster at 1-4 rows and 1.9x at 8, and from ~16 rows computes near
-# the host's bf16 peak, 1.03-1.28x oneDNN up to 1024 rows and even at 2048 (`kvfleet bench
-# cpu-kernels`). On an offline run's steps (`kvfleet bench gemm-rows --candidates
-# 0,32,256,1024,2048`, docs/results/bench-gemm-rows-avx512bf16-offline.json) the forward took a
-# median 0.755x oneDNN's time with this limit (faster in 236 of 265 steps: 0.45x at 1-16 rows,
-# 0.72x at 33-64, 0.81x at 65-255); 2048 gained nothing more on full prefill steps.
-VECTOR_MAX_ROWS = 1024
 # Columns are split between threads in pairs of 16-wide tiles; inputs come 32 per tile row.
 COLUMN_MULTIPLE, INNER_MULTIPLE = 32, 32
 # cpu_gemm.c's engines.
 KERNEL_AMX, KERNEL_AVX512_BF16 = 0, 1
-# Whether the AMX engine may run where the CPU has it (tests turn it off to run the vector engine
-# on an AMX host; the engine is chosen per call, so do it before a model's first step).
-ALLOW_AMX = True
 
 
 @functools.cache
@@ -67,25 +53,27 @@ def vectors_available() -> bool:
     return cpu_library.available() and _vectors_present()
 
 
-def kernel() -> int | None:
-    """The engine decode-sized bf16 projections run on here (KERNEL_AMX where the CPU has AMX,
-    else KERNEL_AVX512_BF16), or None where neither runs."""
-    if ALLOW_AMX and amx_available():
+def kernel(policy: KernelPolicy) -> int | None:
+    """The engine decode-sized bf16 projections run on here under `policy` (KERNEL_AMX where
+    the CPU has AMX and the policy allows it, else KERNEL_AVX512_BF16), or None where neither
+    runs."""
+    if policy.allow_amx and amx_available():
         return KERNEL_AMX
     return KERNEL_AVX512_BF16 if vectors_available() else None
 
 
 def available() -> bool:
-    """Whether either engine runs here."""
-    return kernel() is not None
+    """Whether either engine runs here (weights are packed for it whatever a policy allows)."""
+    return amx_available() or vectors_available()
 
 
-def max_rows() -> int:
-    """The most rows a step may have for its projections to run here (0 where none runs)."""
-    engine = kernel()
+def max_rows(policy: KernelPolicy) -> int:
+    """The most rows a step may have for its projections to run here under `policy`: the row
+    limit of the engine it picks (0 where none runs)."""
+    engine = kernel(policy)
     if engine is None:
         return 0
-    return MAX_ROWS if engine == KERNEL_AMX else VECTOR_MAX_ROWS
+    return policy.amx_gemm_max_rows if engine == KERNEL_AMX else policy.avx512_bf16_gemm_max_rows
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -123,9 +111,11 @@ def _run(
     has_residual: bool = False,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    *,
+    policy: KernelPolicy,
 ) -> torch.Tensor:
     """The C call: rows made from x by `prologue`, k inputs each, times the packed weight, on
-    this host's engine."""
+    the engine `policy` picks here."""
     n = packed.shape[0] * 16
     if x.dim() != 2 or k != packed.shape[1] * 32 or x.stride(1) != 1 or x.dtype != torch.bfloat16:
         raise ValueError(
@@ -136,7 +126,7 @@ def _run(
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     if rows == 0:
         return out
-    engine = kernel()
+    engine = kernel(policy)
     if engine is None:
         raise RuntimeError("bf16 linear kernel: neither AMX nor AVX512-BF16 runs here")
     b = bias.float().contiguous() if bias is not None else None
@@ -152,10 +142,16 @@ def _run(
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for the weight `packed` came from; x is bf16 [rows, K] with
-    contiguous rows."""
-    return _run(x, x.shape[-1], packed, bias)
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    policy: KernelPolicy,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the weight `packed` came from, on the engine `policy`
+    picks; x is bf16 [rows, K] with contiguous rows."""
+    return _run(x, x.shape[-1], packed, bias, policy=policy)
 
 
 def rms_norm_linear(
@@ -165,20 +161,29 @@ def rms_norm_linear(
     residual: torch.Tensor | None,
     packed: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    policy: KernelPolicy,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear(rms_norm(x, norm_weight, eps, residual)[0], packed, bias)` and the residual,
     with the normalised rows written straight into the GEMM's input tiles: the same bits as the
     two calls (`cpu_elementwise.rms_norm`'s arithmetic), one call instead of two. A given
     float32 `residual` is updated in place, as `cpu_elementwise.rms_norm` does."""
     res = residual if residual is not None else torch.empty(x.shape, dtype=torch.float32)
-    out = _run(x, x.shape[-1], packed, bias, _RMS_NORM, res, residual is not None, norm_weight, eps)
+    out = _run(
+        x, x.shape[-1], packed, bias, _RMS_NORM, res, residual is not None, norm_weight, eps,
+        policy=policy,
+    )  # fmt: skip
     return out, res
 
 
 def silu_and_mul_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    policy: KernelPolicy,
 ) -> torch.Tensor:
     """`linear(silu_and_mul(x), packed, bias)` for x = [gate | up] rows of 2K values, with the
     gated rows written straight into the GEMM's input tiles: the same bits as the two calls
     (`cpu_elementwise.silu_and_mul`'s arithmetic)."""
-    return _run(x, x.shape[-1] // 2, packed, bias, _SILU_AND_MUL)
+    return _run(x, x.shape[-1] // 2, packed, bias, _SILU_AND_MUL, policy=policy)

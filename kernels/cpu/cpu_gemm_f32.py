@@ -13,21 +13,16 @@ import functools
 
 import torch
 from kvfleet.kernels.cpu import cpu_library
+from kvfleet.kernels.policy import KernelPolicy
 
-# Row counts this kernel takes from F.linear. A step's projections (30 layers + LM head) on a
-# 2-core AVX-512 host: 1.25-1.40x F.linear at 4-8 rows and 1.09x at 16 (dot form), 1.53x at 32,
-# 1.43x at 48, 1.39x at 64, 1.10x at 96 and 0.96x at 128 (rows in lanes) (`kvfleet bench
-# cpu-kernels`, docs/results/bench-cpu-kernels-float32.json). Whole forwards of an offline run's
-# steps (`kvfleet bench gemm-rows --dtype float32`, which moves the fused decode step's limit
-# with it): limits 3 / 64 / 96 / 128 summed 70.6 / 66.7 / 65.3 / 64.5 s, 128 faster than none on
-# 110 of the 117 steps of 65-255 rows (docs/results/bench-gemm-rows-float32-offline.json).
-# 1-3 rows stayed on MKL's GEMV on that (Intel) host, which streamed the weight faster than the
-# dot form did while it read NR weight rows side by side; it reads them one after the other
-# now, at the rate a plain read of the same bytes gets (34-38 GB/s on a 2-core Zen 4, where
-# MKL took 2.9x longer at one row and 5.7x at two and three; AVX2 builds likewise: MKL held to
-# AVX2 streamed the weights at 13 GB/s at one row). So every row count from one takes it, and
-# with it the fused decode step.
-MIN_ROWS, MAX_ROWS = 1, 128
+# The fewest rows the kernel takes. 1-3 rows stayed on MKL's GEMV on an Intel host, which
+# streamed the weight faster than the dot form did while it read NR weight rows side by side; it
+# reads them one after the other now, at the rate a plain read of the same bytes gets (34-38
+# GB/s on a 2-core Zen 4, where MKL took 2.9x longer at one row and 5.7x at two and three; AVX2
+# builds likewise: MKL held to AVX2 streamed the weights at 13 GB/s at one row). So every row
+# count from one takes it, and with it the fused decode step. The most rows it takes is the
+# kernel policy's `f32_gemm_max_rows`, with the measurements behind it.
+MIN_ROWS = 1
 
 
 def lanes() -> int:
@@ -55,9 +50,16 @@ def min_rows() -> int:
     return MIN_ROWS
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `linear(x, weight, bias)` runs on this kernel: float32 CPU tensors, a contiguous
-    2-D weight, x's last dimension contiguous, `min_rows()` to MAX_ROWS rows."""
+def takes(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    policy: KernelPolicy,
+) -> bool:
+    """Whether `linear(x, weight, bias)` runs on this kernel under `policy`: float32 CPU
+    tensors, a contiguous 2-D weight, x's last dimension contiguous, `min_rows()` to the
+    policy's `f32_gemm_max_rows` rows."""
     if not (
         x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
@@ -69,7 +71,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     ):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return rows <= MAX_ROWS and available() and rows >= min_rows()
+    return rows <= policy.f32_gemm_max_rows and available() and rows >= min_rows()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,11 +12,12 @@ in its cache. A server's steps have ever-changing row counts (decodes plus promp
 rows are padded up to a bucket (`padded_rows`: up to 15 rows or 1/16 more, 64 buckets up to 2048
 rows) and nearly every step reuses a built kernel.
 
-Row counts up to `cpu_gemm.max_rows()` go to kvfleet's own bf16 GEMM instead, which is faster
-than oneDNN there: its AMX engine (decode batches, and decodes with a prompt of a few hundred
-tokens beside them: `kvfleet bench cpu-kernels`, `kvfleet bench gemm-rows`) or, without AMX, its
-AVX512-BF16 engine (decode batches); the weight is then held in both layouts (`PackedLinear`),
-twice its plain size in memory.
+Row counts up to `cpu_gemm.max_rows(policy)` (the kernel policy's limit for the engine that
+runs) go to kvfleet's own bf16 GEMM instead, which is faster than oneDNN there: its AMX engine
+(decode batches, and decodes with a prompt of a few hundred tokens beside them: `kvfleet bench
+cpu-kernels`, `kvfleet bench gemm-rows`) or, without AMX, its AVX512-BF16 engine (decode
+batches); the weight is then held in both layouts (`PackedLinear`), twice its plain size in
+memory.
 
 float32 and float16 gained nothing from packing here, so they keep the plain weight and
 `F.linear`; so does bf16 on a CPU that only emulates it (`cpu_features.native_bf16`). The
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from kvfleet.kernels.cpu import cpu_features, cpu_gemm
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
+from kvfleet.kernels.policy import KernelPolicy
 
 
 @functools.cache
@@ -80,7 +82,8 @@ class PackedLinear:
 
 def pack(weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedLinear:
     """The weight in the layouts `linear` below reads; the tiles that decode steps stream in
-    `arena` if given (oneDNN allocates its own layout)."""
+    `arena` if given (oneDNN allocates its own layout). Tiles are made wherever cpu_gemm runs,
+    whatever a policy later lets it take."""
     plain = weight.detach().contiguous()
     tiles = (
         cpu_gemm.pack(plain, arena) if cpu_gemm.supports(plain) and cpu_gemm.available() else None
@@ -96,22 +99,30 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def gemm_tiles(weight: object, rows: int) -> torch.Tensor | None:
-    """The tile-packed weight when a step of `rows` rows through `weight` runs on cpu_gemm (a
-    `PackedLinear` with tiles, 1 to `cpu_gemm.max_rows()` rows), else None: the one place that
-    routes a projection, and the ops fused into it, to that kernel."""
-    if isinstance(weight, PackedLinear) and 0 < rows <= cpu_gemm.max_rows():
+def gemm_tiles(weight: object, rows: int, policy: KernelPolicy) -> torch.Tensor | None:
+    """The tile-packed weight when a step of `rows` rows through `weight` runs on cpu_gemm under
+    `policy` (a `PackedLinear` with tiles, 1 to `cpu_gemm.max_rows(policy)` rows), else None:
+    the one place that routes a projection, and the ops fused into it, to that kernel."""
+    if isinstance(weight, PackedLinear) and 0 < rows <= cpu_gemm.max_rows(policy):
         return weight.tiles
     return None
 
 
-def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for the weight `packed` came from; x is [..., in_features]."""
+def linear(
+    x: torch.Tensor,
+    packed: PackedLinear,
+    bias: torch.Tensor | None = None,
+    *,
+    policy: KernelPolicy,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the weight `packed` came from, on cpu_gemm where `policy`
+    sends this many rows there, else on oneDNN; x is [..., in_features]."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    tiles = gemm_tiles(packed, rows)
+    tiles = gemm_tiles(packed, rows, policy)
     if tiles is not None:
-        out = cpu_gemm.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), tiles, bias)
+        rows_in = flat if flat.stride(-1) == 1 else flat.contiguous()
+        out = cpu_gemm.linear(rows_in, tiles, bias, policy=policy)
         return out.view(*x.shape[:-1], packed.out_features)
     padded = padded_rows(rows)
     if padded != rows:

@@ -5,7 +5,8 @@ the CPU has no AMX on the float32-arithmetic kernel, which reads bf16 as it is (
 products) or widened (kernels/cpu/cpu_prefill_f32.c); float32 on that kernel too. That kernel is
 built for AVX-512, or AVX2 + FMA on CPUs without it. Where the CPU or build lacks what a
 dtype's kernel needs (`available`), or the inputs do not fit (`supports`), callers keep the
-reference's SDPA."""
+reference's SDPA. Whether AMX may run, and the longest context an AVX2 build takes, are the
+caller's `KernelPolicy`."""
 
 from __future__ import annotations
 
@@ -14,17 +15,11 @@ import functools
 import torch
 from kvfleet.kernels import reference
 from kvfleet.kernels.cpu import cpu_library
+from kvfleet.kernels.policy import KernelPolicy
 
 _MAX_HEAD_DIM = 256
 # The kernels bf16 prefill may run on (`bf16_kernel`).
 KERNEL_AMX, KERNEL_AVX512, KERNEL_AVX2 = "AMX", "AVX-512", "AVX2"
-# Tests switch AMX off to run the AVX-512 kernel on an AMX host too.
-ALLOW_AMX = True
-# Built for AVX2 (8 lanes, 16 registers) the kernel beats torch's SDPA only on shorter contexts.
-# Both held to AVX2 on a Zen 4 host, one layer of the bundled model: 2.78 against 5.40 ms at 512
-# tokens (`kvfleet bench cpu-kernels`, docs/results/bench-cpu-kernels-avx2-emulated.json); with
-# this limit lifted and timed directly, 14.6 / 46.7 ms against 17.4 / 42.4 at 1024 / 2048.
-AVX2_MAX_CONTEXT = 1024
 _ERRORS = {
     1: "unsupported shape",
     2: "out of memory",
@@ -51,36 +46,39 @@ def _amx(lib: object) -> bool:
     return bool(lib.kvfleet_prefill_attention_amx())
 
 
-def bf16_kernel() -> str | None:
-    """Which kernel bf16 prefills run on here: KERNEL_AMX where the CPU grants AMX tiles, else
-    the float32-arithmetic kernel's KERNEL_AVX512 or KERNEL_AVX2, else None (SDPA)."""
+def bf16_kernel(policy: KernelPolicy) -> str | None:
+    """Which kernel bf16 prefills run on here under `policy`: KERNEL_AMX where the CPU grants
+    AMX tiles and the policy allows them, else the float32-arithmetic kernel's KERNEL_AVX512 or
+    KERNEL_AVX2, else None (SDPA)."""
     if not cpu_library.available():
         return None
-    if ALLOW_AMX and _amx(cpu_library.library()):
+    if policy.allow_amx and _amx(cpu_library.library()):
         return KERNEL_AMX
     return _vectors()
 
 
-def _on_amx(query: torch.Tensor) -> bool:
-    return query.dtype == torch.bfloat16 and bf16_kernel() == KERNEL_AMX
+def _on_amx(query: torch.Tensor, policy: KernelPolicy) -> bool:
+    return query.dtype == torch.bfloat16 and bf16_kernel(policy) == KERNEL_AMX
 
 
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether `dtype`'s kernel can run here: the C library builds, and the CPU grants AMX tiles
-    (bf16) or the build has AVX-512 or AVX2 + FMA (either dtype)."""
+def available(dtype: torch.dtype = torch.bfloat16, *, policy: KernelPolicy) -> bool:
+    """Whether `dtype`'s kernel can run here under `policy`: the C library builds, and the CPU
+    grants AMX tiles (bf16) or the build has AVX-512 or AVX2 + FMA (either dtype)."""
     if dtype == torch.float32:
         return _vectors() is not None
-    return dtype == torch.bfloat16 and bf16_kernel() is not None
+    return dtype == torch.bfloat16 and bf16_kernel(policy) is not None
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def supports(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, policy: KernelPolicy
+) -> bool:
     """CPU tensors of one dtype, bf16 or float32; head-major caches; whole GQA groups; each
     token's heads packed. bf16 on AMX: head_dim a multiple of 32 up to 256, blocks a multiple of
     16 tokens; on AVX-512 or AVX2 (float32, or bf16 without AMX): head_dim a multiple of 16 up
     to 256, any block size."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    bf16 = query.dtype == torch.bfloat16 and bf16_kernel() == KERNEL_AMX
+    bf16 = _on_amx(query, policy)
     return (
         query.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and query.dtype == k_cache.dtype == v_cache.dtype
@@ -97,10 +95,15 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     )
 
 
-def takes(query: torch.Tensor, seq_len: int) -> bool:
+def takes(query: torch.Tensor, seq_len: int, *, policy: KernelPolicy) -> bool:
     """Whether the kernel takes a sequence of `seq_len` context tokens: built for AVX2 it leaves
-    those past AVX2_MAX_CONTEXT to SDPA, which is faster there (bf16 on AMX takes every one)."""
-    return _on_amx(query) or _vectors() != KERNEL_AVX2 or seq_len <= AVX2_MAX_CONTEXT
+    those past the policy's `avx2_prefill_max_context` to SDPA, which is faster there (bf16 on
+    AMX takes every one)."""
+    return (
+        _on_amx(query, policy)
+        or _vectors() != KERNEL_AVX2
+        or seq_len <= policy.avx2_prefill_max_context
+    )
 
 
 def run_prefill(
@@ -111,12 +114,14 @@ def run_prefill(
     seq_len: int,
     scale: float,
     out: torch.Tensor,
+    *,
+    policy: KernelPolicy,
 ) -> bool:
-    """`reference.paged_attention`'s prefill_fn: this sequence into `out` on the kernel (True),
-    or False where the kernel leaves it to the reference (`takes`)."""
-    if not takes(query, seq_len):
+    """`reference.paged_attention`'s prefill_fn (with `policy` bound): this sequence into `out`
+    on the kernel (True), or False where the kernel leaves it to the reference (`takes`)."""
+    if not takes(query, seq_len, policy=policy):
         return False
-    prefill_attention(query, k_cache, v_cache, block_table, seq_len, scale, out)
+    prefill_attention(query, k_cache, v_cache, block_table, seq_len, scale, out, policy=policy)
     return True
 
 
@@ -128,10 +133,13 @@ def prefill_attention(
     seq_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    policy: KernelPolicy,
 ) -> torch.Tensor:
     """`reference.prefill_attention` (causal, the query being the last q of `seq_len`
-    positions) written into `out` ([q, heads, D], heads packed per token) when given. Callers
-    check `available(query.dtype)` and `supports()` first."""
+    positions) written into `out` ([q, heads, D], heads packed per token) when given, on the
+    kernel `policy` picks. Callers check `available(query.dtype, policy=policy)` and
+    `supports()` first."""
     q_len, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     target = out
@@ -143,7 +151,7 @@ def prefill_attention(
     lib = cpu_library.library()
     if query.dtype == torch.float32:
         kernel = lib.kvfleet_prefill_attention_f32
-    elif bf16_kernel() == KERNEL_AMX:
+    elif bf16_kernel(policy) == KERNEL_AMX:
         kernel = lib.kvfleet_prefill_attention_bf16
     else:
         kernel = lib.kvfleet_prefill_attention_bf16_vec

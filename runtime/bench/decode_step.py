@@ -18,10 +18,12 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-# bf16: up to cpu_gemm.max_rows() sequences (AMX 1024, AVX512-BF16 fewer); float32:
-# cpu_gemm_f32.min_rows() to MAX_ROWS.
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
+
+# bf16: up to cpu_gemm.max_rows(policy) sequences (the policy's AMX or AVX512-BF16 limit);
+# float32: cpu_gemm_f32.min_rows() to the policy's f32_gemm_max_rows.
 DEFAULT_SEQUENCES = {"bfloat16": "1,8,32,128", "float32": "1,8,32,128"}
 
 
@@ -80,7 +82,6 @@ class _Batch:
     of head-major caches filled with random K/V."""
 
     def __init__(self, torch, net, config, sequences: int, context: int, dtype) -> None:
-        from kvfleet.kernels import dispatch
         from kvfleet.kernels.metadata import AttentionMetadata
 
         block = 16
@@ -88,7 +89,7 @@ class _Batch:
         gen = torch.Generator().manual_seed(sequences)
         self.kv = []
         for _ in range(config.num_layers):
-            k, v = dispatch.allocate_kv_cache(
+            k, v = net.kernels.allocate_kv_cache(
                 sequences * per_seq, block, config.num_kv_heads, config.head_dim,
                 dtype, torch.device("cpu"),
             )  # fmt: skip
@@ -124,32 +125,41 @@ class _Batch:
         return hidden, self.net.compute_logits(hidden)
 
     def step_one_call(self):
-        """The step's logits from the one call."""
-        logits, _ = self.one_call.run(*self.lists)
+        """The step's logits from the one call, under the model's kernel policy."""
+        logits, _ = self.one_call.run(*self.lists, policy=self.net.kernels.policy)
         return logits
 
 
 def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
-    """Check the three paths give the same bits, then time them in turns."""
-    from kvfleet.kernels.cpu import cpu_decode_step
-
-    cpu_decode_step.ENABLED = True
-    fused, _ = batch.step()
-    one_call_logits = batch.step_one_call().clone()
-    cpu_decode_step.ENABLED = False
-    per_op, per_op_logits = batch.step()
-    if not torch.equal(fused, per_op):
-        raise RuntimeError(f"fused decode step at {n} sequences: not the per-op bits")
-    if not torch.equal(one_call_logits, per_op_logits):
-        raise RuntimeError(f"one-call decode step at {n} sequences: not the per-op logits")
-    paths = ("per-op", "fused", "one call")
-    times: dict[str, list[float]] = {p: [] for p in paths}
-    for i in range(len(paths) * iters):
-        path = paths[i % len(paths)]
-        cpu_decode_step.ENABLED = path != "per-op"
-        start = time.perf_counter()
-        batch.step_one_call() if path == "one call" else batch.step()
-        times[path].append((time.perf_counter() - start) * 1e3)
+    """Check the three paths give the same bits, then time them in turns: the model's own
+    kernel policy runs the fused and one-call steps, the same policy with the fused step off
+    the per-op one."""
+    net = batch.net
+    fused_policy = net.kernels.policy
+    policies = {
+        "per-op": replace(fused_policy, fused_decode_step=False),
+        "fused": fused_policy,
+        "one call": fused_policy,
+    }
+    try:
+        fused, _ = batch.step()
+        one_call_logits = batch.step_one_call().clone()
+        net.use_kernel_policy(policies["per-op"])
+        per_op, per_op_logits = batch.step()
+        if not torch.equal(fused, per_op):
+            raise RuntimeError(f"fused decode step at {n} sequences: not the per-op bits")
+        if not torch.equal(one_call_logits, per_op_logits):
+            raise RuntimeError(f"one-call decode step at {n} sequences: not the per-op logits")
+        paths = tuple(policies)
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for i in range(len(paths) * iters):
+            path = paths[i % len(paths)]
+            net.use_kernel_policy(policies[path])
+            start = time.perf_counter()
+            batch.step_one_call() if path == "one call" else batch.step()
+            times[path].append((time.perf_counter() - start) * 1e3)
+    finally:
+        net.use_kernel_policy(fused_policy)
     medians = {p: statistics.median(t) for p, t in times.items()}
     return StepRow(
         sequences=n,
@@ -165,46 +175,43 @@ def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
     )
 
 
-def _row_limits(torch, dtype) -> tuple[int, int]:
-    """The batch sizes the fused call takes in `dtype` (those the per-op path runs on the same
-    GEMM kernel)."""
+def _row_limits(torch, dtype, policy: KernelPolicy) -> tuple[int, int]:
+    """The batch sizes the fused call takes in `dtype` under `policy` (those the per-op path
+    runs on the same GEMM kernel)."""
     from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
     if dtype == torch.bfloat16:
-        return 1, cpu_gemm.max_rows()
-    return cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
+        return 1, cpu_gemm.max_rows(policy)
+    return cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
 
 
 def measure(model: str, sequences: list[int], context: int, iters: int, dtype_name: str) -> dict:
+    """A row per batch size (`sequences`) of the model in `dtype_name`, each checked for the
+    same bits first; RuntimeError where the fused call does not take a batch size here."""
     import torch
-    from kvfleet.kernels.cpu import cpu_decode_step
     from kvfleet.runtime.engine.device import resolve_dtype
     from kvfleet.runtime.models.loader import load_model
 
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
-    lo, hi = _row_limits(torch, dtype)
-    net, config, _ = load_model(model, dtype, "cpu")
+    lo, hi = _row_limits(torch, dtype, DEFAULT_POLICY)
+    net, config, _ = load_model(model, dtype, "cpu", policy=DEFAULT_POLICY)
     net.prepack()
     rows: list[StepRow] = []
-    previous_enabled = cpu_decode_step.ENABLED
-    try:
-        with torch.inference_mode():
-            for n in sequences:
-                batch = None
-                if lo <= n <= hi:
-                    batch = _Batch(torch, net, config, n, context, dtype)
-                if batch is None or batch.one_call is None:
-                    needs = (
-                        "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
-                    ) + f" and {lo} to {hi} sequences"
-                    raise RuntimeError(
-                        f"no fused decode step here for {n} sequences in {dtype_name} "
-                        f"({str(dtype).removeprefix('torch.')}: needs {needs})"
-                    )
-                rows.append(_row(torch, batch, n, context, iters))
-                del batch  # its caches: the next batch size allocates its own
-    finally:
-        cpu_decode_step.ENABLED = previous_enabled
+    with torch.inference_mode():
+        for n in sequences:
+            batch = None
+            if lo <= n <= hi:
+                batch = _Batch(torch, net, config, n, context, dtype)
+            if batch is None or batch.one_call is None:
+                needs = (
+                    "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
+                ) + f" and {lo} to {hi} sequences"
+                raise RuntimeError(
+                    f"no fused decode step here for {n} sequences in {dtype_name} "
+                    f"({str(dtype).removeprefix('torch.')}: needs {needs})"
+                )
+            rows.append(_row(torch, batch, n, context, iters))
+            del batch  # its caches: the next batch size allocates its own
     return {
         "model": model,
         "dtype": str(dtype).removeprefix("torch."),
@@ -223,7 +230,7 @@ def _default_sequences(dtype_name: str) -> str:
         dtype_name = "bfloat16" if cpu_features.native_bf16() else "float32"
     counts = _parse_sequences(DEFAULT_SEQUENCES[dtype_name])
     if dtype_name == "bfloat16" and cpu_gemm.available():
-        counts = [n for n in counts if n <= cpu_gemm.max_rows()]
+        counts = [n for n in counts if n <= cpu_gemm.max_rows(DEFAULT_POLICY)]
     return ",".join(map(str, counts))
 
 

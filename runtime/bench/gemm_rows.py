@@ -1,12 +1,14 @@
 """`kvfleet bench gemm-rows`: where kvfleet's own projection kernel should hand a step's GEMMs
 over to the library one, measured on the steps of a real run rather than on one shape. In bf16
-that is `cpu_gemm` against oneDNN (`cpu_gemm.MAX_ROWS` for its AMX engine, `VECTOR_MAX_ROWS`
-for its AVX512-BF16 one, whichever runs here); in float32, the AVX-512 kernel for decode-sized
-steps against MKL's F.linear (`cpu_gemm_f32.MAX_ROWS`).
+that is `cpu_gemm` against oneDNN (the kernel policy's `amx_gemm_max_rows` for its AMX engine,
+`avx512_bf16_gemm_max_rows` for its AVX512-BF16 one, whichever runs here: MAX_ROWS and
+VECTOR_MAX_ROWS in the report); in float32, the AVX-512 kernel for decode-sized steps against
+MKL's F.linear (`f32_gemm_max_rows`, MAX_ROWS in the report).
 
 Runs the standard workload offline (as `bench throughput --baseline none`, same engine flags)
 and runs the model's forward of every step that has more rows than the lowest candidate once
-per candidate `MAX_ROWS`, back to back, in an order that rotates from step to step: each
+per candidate row limit (the model's kernel policy with that limit, swapped in for the run),
+back to back, in an order that rotates from step to step: each
 comparison is made within the same fraction of a second, on a host whose speed drifts by up to
 2x over minutes, which whole-run A/Bs could not see through. Running a forward again is safe: it
 rewrites the same slots of the KV cache, and the step keeps the last run's cache and output.
@@ -24,14 +26,27 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
+from kvfleet.runtime.bench import kernel_policies
 from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
-# Keyed by the limit a run moves. AMX: its old and current limits. AVX512-BF16: none (oneDNN
-# throughout) and the current limit. float32: none (the kernel needs 4 rows) and the current
-# limit.
-DEFAULT_CANDIDATES = {"MAX_ROWS": "96,1024", "VECTOR_MAX_ROWS": "0,1024", "float32": "3,128"}
+# Keyed by the kernel policy's limit a run moves. AMX: its old and current limits. AVX512-BF16:
+# none (oneDNN throughout) and the current limit. float32: none (the kernel once needed 4 rows)
+# and the current limit.
+DEFAULT_CANDIDATES = {
+    "amx_gemm_max_rows": "96,1024",
+    "avx512_bf16_gemm_max_rows": "0,1024",
+    "f32_gemm_max_rows": "3,128",
+}
+# The name each limit has in the report (that of the kernel module's constant it once was, so
+# reports compare across versions).
+REPORTED_LIMIT = {
+    "amx_gemm_max_rows": "MAX_ROWS",
+    "avx512_bf16_gemm_max_rows": "VECTOR_MAX_ROWS",
+    "f32_gemm_max_rows": "MAX_ROWS",
+}
 # Row-count buckets of the report: decode batches (small, serving-sized, offline-sized), a
 # prompt beside decodes, full prefill steps.
 BUCKETS = (
@@ -51,8 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--candidates",
         default=None,
         help="row limits to compare, the first the reference (default: bf16 on AMX "
-        f"{DEFAULT_CANDIDATES['MAX_ROWS']}, bf16 on AVX512-BF16 "
-        f"{DEFAULT_CANDIDATES['VECTOR_MAX_ROWS']}, float32 {DEFAULT_CANDIDATES['float32']})",
+        f"{DEFAULT_CANDIDATES['amx_gemm_max_rows']}, bf16 on AVX512-BF16 "
+        f"{DEFAULT_CANDIDATES['avx512_bf16_gemm_max_rows']}, float32 "
+        f"{DEFAULT_CANDIDATES['f32_gemm_max_rows']})",
     )
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--workload-seed", type=int, default=0)
@@ -74,17 +90,15 @@ def parse_candidates(text: str) -> list[int]:
 
 
 class PairedForward:
-    """Stands in for the model's forward: steps with more rows than the lowest candidate run
-    once per candidate (rotating order) and are timed; the rest run once, untimed. The
-    candidates set attribute `limit` of kernel module `gemm` (default cpu_gemm's MAX_ROWS)."""
+    """Stands in for `model`'s forward (a `LlamaModel`'s, taken when this is made): steps with
+    more rows than the lowest candidate run once per candidate (rotating order) and are timed,
+    each under the model's kernel policy with its row limit `limit` (a `KernelPolicy` field)
+    set to the candidate; the rest run once, untimed, under the model's policy."""
 
-    def __init__(
-        self, forward: Any, candidates: list[int], gemm: Any = None, limit: str = "MAX_ROWS"
-    ) -> None:
-        from kvfleet.kernels.cpu import cpu_gemm
-
-        self._gemm, self._limit = gemm or cpu_gemm, limit
-        self._forward = forward
+    def __init__(self, model: Any, candidates: list[int], limit: str = "amx_gemm_max_rows") -> None:
+        self._model, self._forward = model, model.forward
+        base = model.kernels.policy
+        self._policies = [replace(base, **{limit: c}) for c in candidates]
         self.candidates = candidates
         self.rows: list[int] = []
         self.seconds: list[list[float]] = []  # per compared step, per candidate (input order)
@@ -96,16 +110,12 @@ class PairedForward:
         n = len(self.candidates)
         turn = len(self.rows) % n
         times = [0.0] * n
-        default = getattr(self._gemm, self._limit)
         out = None
-        try:
-            for i in [(turn + j) % n for j in range(n)]:
-                setattr(self._gemm, self._limit, self.candidates[i])
+        for i in [(turn + j) % n for j in range(n)]:
+            with kernel_policies.running(self._model, self._policies[i]):
                 start = time.perf_counter()
                 out = self._forward(input_ids, *args, **kwargs)
                 times[i] = time.perf_counter() - start
-        finally:
-            setattr(self._gemm, self._limit, default)
         self.rows.append(rows)
         self.seconds.append(times)
         return out
@@ -144,24 +154,24 @@ def _summary(ratios: list[float]) -> dict[str, Any]:
     }
 
 
-def routed_kernel(device: Any, dtype: Any) -> tuple[Any, str]:
-    """The kernel module and its attribute whose value routes this engine's projections, or
-    RuntimeError."""
+def routed_kernel(device: Any, dtype: Any, policy: Any) -> tuple[str, str]:
+    """The name of the kernel module that runs this engine's projections under `policy`, and
+    the policy's field whose value routes them there, or RuntimeError."""
     import torch
     from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         raise RuntimeError(f"needs --device cpu and bfloat16 or float32, got {device} {dtype}")
     if dtype == torch.bfloat16:
-        if not cpu_gemm.available():
+        if cpu_gemm.kernel(policy) is None:
             raise RuntimeError(
                 "no AMX or AVX512-BF16 GEMM on this machine or build: nothing to route in bf16"
             )
-        amx = cpu_gemm.kernel() == cpu_gemm.KERNEL_AMX
-        return cpu_gemm, "MAX_ROWS" if amx else "VECTOR_MAX_ROWS"
+        amx = cpu_gemm.kernel(policy) == cpu_gemm.KERNEL_AMX
+        return "cpu_gemm", "amx_gemm_max_rows" if amx else "avx512_bf16_gemm_max_rows"
     if not cpu_gemm_f32.available():
         raise RuntimeError("no AVX-512 GEMM in this build: nothing to route in float32")
-    return cpu_gemm_f32, "MAX_ROWS"
+    return "cpu_gemm_f32", "f32_gemm_max_rows"
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,28 +181,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    gemm, limit = routed_kernel(engine.device, engine.dtype)
+    model = engine.model
+    kernel, limit = routed_kernel(engine.device, engine.dtype, model.kernels.policy)
     dtype = str(engine.dtype).removeprefix("torch.")
-    default = DEFAULT_CANDIDATES["float32" if dtype == "float32" else limit]
-    candidates = parse_candidates(args.candidates or default)
+    candidates = parse_candidates(args.candidates or DEFAULT_CANDIDATES[limit])
     workload = standard_workload(
         engine.tokenizer,
         args.num_prompts,
         args.workload_seed,
         vocab_size=engine.model_config.vocab_size,
     )
-    paired = PairedForward(engine.model.forward, candidates, gemm, limit)
-    engine.model.forward = paired  # an instance attribute: nn.Module.__call__ finds it first
-    engine.runner.one_call_shape = None  # every step through the forward it times
+    # Every step through the forward it times: no one-call steps, whatever the candidate.
+    own = model.use_kernel_policy(kernel_policies.two_calls(model.kernels.policy))
+    paired = PairedForward(model, candidates, limit)
+    model.forward = paired  # an instance attribute: nn.Module.__call__ finds it first
     try:
         run = run_engine(engine, workload)
     finally:
-        del engine.model.forward
+        del model.forward
+        model.use_kernel_policy(own)
     return {
         "model": config.model,
         "dtype": dtype,
-        "kernel": gemm.__name__.rsplit(".", 1)[-1],
-        "limit": limit,  # the attribute the candidates set
+        "kernel": kernel,
+        "limit": REPORTED_LIMIT[limit],  # the limit the candidates set
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_prompts": len(workload),

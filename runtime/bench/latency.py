@@ -23,21 +23,27 @@ off (every projection on torch's oneDNN or MKL, and so op by op, no fused step),
 with the default path: what those kernels gain, measured in the same run. `--baseline two-call`
 runs every batch size again with decode steps in two calls (the fused stack, then the final
 norm, LM head and sampling from Python) instead of one from token ids to logits: what the one
-call gains, in turns.
+call gains, in turns. Each baseline is a kernel policy of its own that the model runs in its
+turns (`kernel_policies`); the report and its table are `latency_report`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvfleet.runtime.bench import kernel_policies
+from kvfleet.runtime.bench.latency_report import (
+    decode_rows,
+    decode_weight_bytes,
+    print_report,
+    ttft_rows,
+)
 from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
 DEFAULT_SEQUENCES = "1,4,8"
@@ -91,48 +97,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 @dataclass(slots=True)
-class DecodeRow:
-    sequences: int
-    context_tokens: int
-    steps: int  # timed steady-state steps
-    step_median_ms: float  # = time per output token of each sequence
-    step_min_ms: float
-    # Where a step's time went (medians): the model's layers and final norm, the LM head, and
-    # everything else (scheduling, input tensors, sampling, detokenizing).
-    forward_median_ms: float
-    logits_median_ms: float
-    other_median_ms: float
-    bound_ms: float  # weight bytes / read rate
-    ratio_to_bound: float
-    # The read rate probed just before and after this row (the better of the two) and the
-    # step over the bound at that rate: on a host whose memory speed changes within minutes,
-    # the state this row ran in. The run's read rate (bound_ms) is the best of every probe.
-    read_rate_beside: float
-    ratio_to_beside_bound: float
-    over_one_sequence: float | None  # this step's median / the 1-sequence step's
-    gemm_path: str  # the kernel running the step's projections
-    fused_steps: int  # timed steps that ran as one call (CPU: the fused C step; GPU: a graph)
-    # With --baseline library: the same batch with kvfleet's GEMMs off (step_median_ms,
-    # step_min_ms, gemm_path, fused_steps) and this row's speedup over it (median over median).
-    baseline: dict | None = None
-    speedup_over_baseline: float | None = None
-
-
-@dataclass(slots=True)
-class TtftRow:
-    prompt_tokens: int
-    repeats: int
-    ttft_median_ms: float
-    ttft_min_ms: float
-    prefill_gflop: float
-    bound_ms: float  # prefill FLOPs / GEMM rate
-    ratio_to_bound: float
-    gemm_path: str  # the kernel running the prompt's projections (its largest step)
-    baseline: dict | None = None  # as DecodeRow's: ttft_median_ms, ttft_min_ms, gemm_path
-    speedup_over_baseline: float | None = None
-
-
-@dataclass(slots=True)
 class _StepTimes:
     """Per-step wall times the wrapped engine parts record."""
 
@@ -149,27 +113,6 @@ def _parse_counts(flag: str, text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise ValueError(f"{flag}: comma-separated counts of at least 1, got {text!r}")
     return counts
-
-
-def decode_weight_bytes(mc: Any, elem_size: int) -> int:
-    """Bytes of weights one decode step reads: all of them but an untied input embedding table
-    (of which a step reads one row per sequence)."""
-    return mc.step_parameters() * elem_size
-
-
-def prefill_flops(mc: Any, tokens: int) -> int:
-    """Multiply-adds x 2 of a prompt of `tokens` tokens alone: every projection per token,
-    causal attention (QK^T and PV over the positions each token sees), and the logits of the
-    last token only (the engine computes no others)."""
-    h, d = mc.hidden_size, mc.head_dim
-    per_token = (
-        h * (mc.num_heads + 2 * mc.num_kv_heads) * d
-        + mc.num_heads * d * h
-        + 3 * h * mc.intermediate_size
-    )
-    attended = tokens * (tokens + 1) // 2
-    attention = 2 * mc.num_heads * d * attended  # QK^T and PV, one multiply-add each
-    return 2 * (mc.num_layers * (per_token * tokens + attention) + mc.vocab_size * h)
 
 
 def read_probe(device: Any, nbytes: int = READ_PROBE_BYTES) -> Any:
@@ -230,9 +173,9 @@ class _Probe:
             return wrapper
 
         def counted(fn: Any) -> Any:
-            def wrapper(*args: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
                 times.fused += 1
-                return fn(*args)
+                return fn(*args, **kwargs)
 
             return wrapper
 
@@ -266,37 +209,6 @@ def _synchronizer(device: Any) -> Any:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
-
-
-@contextlib.contextmanager
-def library_gemms() -> Iterator[None]:
-    """kvfleet's own GEMMs off for the block: every projection on torch (oneDNN or MKL), which
-    also keeps decode steps off the fused call (it runs only where the per-op path's GEMMs are
-    kvfleet's)."""
-    from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
-
-    limits = [(cpu_gemm, "MAX_ROWS"), (cpu_gemm, "VECTOR_MAX_ROWS"), (cpu_gemm_f32, "MAX_ROWS")]
-    saved = [getattr(module, name) for module, name in limits]
-    try:
-        for module, name in limits:
-            setattr(module, name, 0)
-        yield
-    finally:
-        for (module, name), value in zip(limits, saved, strict=True):
-            setattr(module, name, value)
-
-
-@contextlib.contextmanager
-def two_calls(engine: Any) -> Iterator[None]:
-    """Decode steps in two calls for the block (the fused stack, then the final norm, LM head
-    and sampling from Python): what the one call from token ids to logits replaced."""
-    runner = engine.runner
-    saved = runner.one_call_shape
-    runner.one_call_shape = None
-    try:
-        yield
-    finally:
-        runner.one_call_shape = saved
 
 
 def _prompt(rng: Any, pool: Any, tokens: int) -> list[int]:
@@ -399,9 +311,10 @@ def measure_ttft(engine: Any, tokens: int, repeats: int, rng, pool) -> list[floa
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Every decode row and prompt of the run, with its baseline's in turns where one is asked
+    for, and the machine's bounds: the report `latency_report` prints."""
     import numpy as np
     import torch
-    from kvfleet.kernels import dispatch
     from kvfleet.kernels.cpu import cpu_features
     from kvfleet.runtime.bench.throughput import _device_name, measure_matmul_flops
     from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -417,7 +330,7 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError(
             f"--prompts/--context: {longest} tokens exceed max_model_len {engine.max_model_len}"
         )
-    mc, device = engine.model_config, engine.device
+    mc, device, model = engine.model_config, engine.device, engine.model
     elem = torch.empty((), dtype=engine.dtype).element_size()
     weight_bytes = decode_weight_bytes(mc, elem)
     print(
@@ -433,15 +346,21 @@ def measure(args: argparse.Namespace) -> dict:
     weight = _projection_weight(engine)
     max_batched = engine.scheduler.config.max_num_batched_tokens
 
-    # The baseline's switch, for decode rows; prompts are compared only with the library's
+    # The baseline's policy, for decode rows; prompts are compared only with the library's
     # GEMMs (the one call is for decode steps).
-    baseline = {"library": library_gemms, "two-call": lambda: two_calls(engine)}.get(args.baseline)
-    with_baseline = args.baseline == "library"
+    policy = model.kernels.policy
+    make_baseline = {
+        "library": kernel_policies.library_gemms,
+        "two-call": kernel_policies.two_calls,
+    }.get(args.baseline)
+    baseline = make_baseline(policy) if make_baseline is not None else None
+    library = kernel_policies.library_gemms(policy) if args.baseline == "library" else None
 
     def decode(n: int) -> dict:
-        return measure_decode(
+        row = measure_decode(
             engine, n, args.context, args.decode_steps, args.warmup_steps, rng, pool
         )
+        return {**row, "gemm_path": model.kernels.linear_path(weight, n)}
 
     # Default path and baseline take turns per batch size and per prompt: each comparison is
     # made within seconds on a host whose speed drifts over minutes.
@@ -451,20 +370,20 @@ def measure(args: argparse.Namespace) -> dict:
         decode_raw.append((n, decode(n)))
         beside[n] = max(before, measure_read_rate(device, probe))
         if baseline is not None:
-            with baseline():
-                decode_base[n] = {**decode(n), "gemm_path": dispatch.linear_path(weight, n)}
+            with kernel_policies.running(model, baseline):
+                decode_base[n] = decode(n)
     ttft_raw, ttft_base = [], {}
     for t in prompts:
         times, base = [], []
         for _ in range(args.repeats):
             times += measure_ttft(engine, t, 1, rng, pool)
-            if with_baseline:
-                with library_gemms():
+            if library is not None:
+                with kernel_policies.running(model, library):
                     base += measure_ttft(engine, t, 1, rng, pool)
-        ttft_raw.append((t, times))
-        if with_baseline:
-            with library_gemms():
-                path = dispatch.linear_path(weight, min(t, max_batched))
+        ttft_raw.append((t, times, model.kernels.linear_path(weight, min(t, max_batched))))
+        if library is not None:
+            with kernel_policies.running(model, library):
+                path = model.kernels.linear_path(weight, min(t, max_batched))
             ttft_base[t] = {
                 "ttft_median_ms": statistics.median(base) * 1e3,
                 "ttft_min_ms": min(base) * 1e3,
@@ -477,49 +396,8 @@ def measure(args: argparse.Namespace) -> dict:
     read_rate = max(read_first, read_last, *beside.values())
     gemm_rate = max(gemm_first, gemm_last)
     bound_ms = weight_bytes / read_rate * 1e3
-
-    one = next((r["step_median_ms"] for n, r in decode_raw if n == 1), None)
-    decode = []
-    for n, r in decode_raw:
-        base = decode_base.get(n)
-        keep = ("step_median_ms", "step_min_ms", "gemm_path", "fused_steps")
-        decode.append(
-            DecodeRow(
-                sequences=n,
-                context_tokens=args.context,
-                bound_ms=bound_ms,
-                ratio_to_bound=r["step_median_ms"] / bound_ms,
-                read_rate_beside=beside[n],
-                ratio_to_beside_bound=r["step_median_ms"] / (weight_bytes / beside[n] * 1e3),
-                over_one_sequence=r["step_median_ms"] / one if one else None,
-                gemm_path=dispatch.linear_path(weight, n),
-                baseline={k: base[k] for k in keep} if base else None,
-                speedup_over_baseline=base["step_median_ms"] / r["step_median_ms"]
-                if base
-                else None,
-                **r,
-            )
-        )
-    ttft = []
-    for tokens, times in ttft_raw:
-        flops = prefill_flops(mc, tokens)
-        median = statistics.median(times)
-        ttft.append(
-            TtftRow(
-                prompt_tokens=tokens,
-                repeats=len(times),
-                ttft_median_ms=median * 1e3,
-                ttft_min_ms=min(times) * 1e3,
-                prefill_gflop=flops / 1e9,
-                bound_ms=flops / gemm_rate * 1e3,
-                ratio_to_bound=median / (flops / gemm_rate),
-                gemm_path=dispatch.linear_path(weight, min(tokens, max_batched)),
-                baseline=ttft_base.get(tokens),
-                speedup_over_baseline=ttft_base[tokens]["ttft_median_ms"] / (median * 1e3)
-                if tokens in ttft_base
-                else None,
-            )
-        )
+    decode = decode_rows(decode_raw, decode_base, beside, args.context, weight_bytes, bound_ms)
+    ttft = ttft_rows(ttft_raw, ttft_base, mc, gemm_rate)
     single = next((row for row in decode if row.sequences == 1), None)
     return {
         "model": config.model,
@@ -527,7 +405,7 @@ def measure(args: argparse.Namespace) -> dict:
         "cpu_flags": cpu_features.kernel_flags() if device.type == "cpu" else [],
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "kernel_path": dispatch.linear_path(weight, 1),
+        "kernel_path": model.kernels.linear_path(weight, 1),
         "baseline": args.baseline,
         "weight_bytes": weight_bytes,
         "weights_on_huge_pages": _weights_on_huge_pages(engine),
@@ -542,61 +420,13 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _print(report: dict) -> None:
-    flags = " ".join(report["cpu_flags"]) or "-"
-    print(
-        f"model {report['model']} ({report['dtype']}), {report['device']}, "
-        f"{report['threads']} threads, flags: {flags}"
-    )
-    pages = {True: " (2 MiB pages)", False: " (4 KiB pages)"}.get(
-        report["weights_on_huge_pages"], ""
-    )
-    print(
-        f"weights {report['weight_bytes'] / 1e6:.1f} MB{pages} at "
-        f"{report['read_rate_bytes_per_s'] / 1e9:.1f} GB/s: bound {report['weight_stream_bound_ms']:.2f} ms/step; GEMM rate "
-        f"{report['gemm_flops_per_s'] / 1e12:.3f} TFLOP/s"
-    )
-    print(
-        f"{'seqs':>5} {'ms/token':>9} {'min':>7} {'forward':>8} {'logits':>7} {'other':>6} "
-        f"{'x bound':>8} {'(beside)':>14} {'x 1 seq':>8} {'fused':>6}  path"
-    )
-    for r in report["decode"]:
-        over = f"{r['over_one_sequence']:.2f}" if r["over_one_sequence"] else "-"
-        near = f"{r['ratio_to_beside_bound']:.2f} @{r['read_rate_beside'] / 1e9:.0f}GB/s"
-        print(
-            f"{r['sequences']:>5} {r['step_median_ms']:>9.2f} {r['step_min_ms']:>7.2f} "
-            f"{r['forward_median_ms']:>8.2f} {r['logits_median_ms']:>7.2f} "
-            f"{r['other_median_ms']:>6.2f} {r['ratio_to_bound']:>8.2f} {near:>14} {over:>8} "
-            f"{r['fused_steps']:>3}/{r['steps']:<3} {r['gemm_path']}"
-        )
-        if r["baseline"]:
-            b = r["baseline"]
-            print(
-                f"{'':>5} {b['step_median_ms']:>9.2f} {b['step_min_ms']:>7.2f}  baseline "
-                f"{report['baseline']} ({b['gemm_path']}, fused {b['fused_steps']}/{r['steps']}): "
-                f"{r['speedup_over_baseline']:.2f}x"
-            )
-    print(f"{'prompt':>7} {'TTFT ms':>9} {'min':>8} {'bound':>8} {'x bound':>8}  path")
-    for r in report["ttft"]:
-        print(
-            f"{r['prompt_tokens']:>7} {r['ttft_median_ms']:>9.1f} {r['ttft_min_ms']:>8.1f} "
-            f"{r['bound_ms']:>8.1f} {r['ratio_to_bound']:>8.2f}  {r['gemm_path']}"
-        )
-        if r["baseline"]:
-            b = r["baseline"]
-            print(
-                f"{'':>7} {b['ttft_median_ms']:>9.1f} {b['ttft_min_ms']:>8.1f}  baseline "
-                f"({b['gemm_path']}): {r['speedup_over_baseline']:.2f}x"
-            )
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         report = measure(args)
     except ValueError as exc:
         print(f"kvfleet bench latency: {exc}", file=sys.stderr)
         return 1
-    _print(report)
+    print_report(report)
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -6,6 +6,8 @@ import argparse
 import re
 from dataclasses import dataclass, field, fields
 
+from kvfleet.kernels.policy import BACKENDS, DEFAULT_POLICY, KernelPolicy
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -82,6 +84,10 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
     tensor_parallel_size: int = 1  # ranks (processes, GPUs) the model is sharded over
     enforce_eager: bool = False  # GPU: run decode steps op by op, without CUDA graphs
+    # Which kernels the model's ops run, beyond what the machine allows (--kernel-backend and
+    # --allow-amx set its fields of those names); the model and every tensor-parallel rank run
+    # this one policy.
+    kernel_policy: KernelPolicy = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -125,6 +131,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not isinstance(self.kernel_policy, KernelPolicy):
+            raise ConfigError(
+                f"kernel_policy: must be a KernelPolicy, got {type(self.kernel_policy).__name__}"
             )
 
 
@@ -239,6 +249,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "take seconds to capture at start and a little memory; one launch per decode step)",
     )
     g.add_argument(
+        "--kernel-backend",
+        default=d.kernel_policy.backend,
+        choices=BACKENDS,
+        help="which kernels run the model's ops: auto (Triton on CUDA; on CPU the C kernels "
+        "and torch), torch (never Triton) or triton (Triton on any device; on CPU only under "
+        "TRITON_INTERPRET=1, for testing)",
+    )
+    g.add_argument(
+        "--allow-amx",
+        action=argparse.BooleanOptionalAction,
+        default=d.kernel_policy.allow_amx,
+        help="let AMX run where the CPU has it (--no-allow-amx: the AVX512-BF16 paths instead, "
+        "to measure them on an AMX host)",
+    )
+    g.add_argument(
         "--served-model-name",
         default=None,
         help="model name in the API (default: derived from --model)",
@@ -246,5 +271,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    """The EngineConfig `add_engine_args`'s flags describe (--kernel-backend and --allow-amx as
+    its kernel policy's backend and allow_amx, the policy's other fields at their defaults)."""
+    names = {f.name for f in fields(EngineConfig)} - {"kernel_policy"}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    policy = KernelPolicy(
+        backend=getattr(args, "kernel_backend", DEFAULT_POLICY.backend),
+        allow_amx=getattr(args, "allow_amx", DEFAULT_POLICY.allow_amx),
+    )
+    return EngineConfig(**values, kernel_policy=policy)

@@ -83,8 +83,9 @@ class LLMEngine:
             self.model, self.model_config, folder, num_blocks = started
         else:
             self.model, self.model_config, folder = load_model(
-                config.model, self.dtype, self.device, config.revision, config.hf_token
-            )
+                config.model, self.dtype, self.device, config.revision, config.hf_token,
+                policy=config.kernel_policy,
+            )  # fmt: skip
             self.model.prepack()
             num_blocks = -1  # from the budget, below
         self.model_folder = folder  # None for random:* models

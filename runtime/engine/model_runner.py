@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 # Prompt logprobs turn hidden rows into full-vocabulary logits; this many at a time bounds the
 # memory that costs (a long prompt chunk times a large vocabulary would not fit otherwise).
 PROMPT_LOGITS_ROWS = 256
-# The one-call CPU decode step keeps a float32 logits buffer of this many rows: its gain, a
-# millisecond of Python and torch calls a step, matters where steps are short (few sequences);
-# larger steps keep the two-call path and allocate their logits per step.
-ONE_CALL_MAX_ROWS = 16
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -114,12 +110,14 @@ def allocate_kv_caches(
     block_size: int,
     kv_dtype: torch.dtype,
     device: torch.device,
+    kernels: dispatch.Kernels,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's K/V cache for `num_kv_heads` heads (a tensor-parallel rank's own); on CPU
-    on huge pages, since decode attention streams them as a step streams the weights."""
+    """Every layer's K/V cache for `num_kv_heads` heads (a tensor-parallel rank's own), in the
+    layout the backend of `kernels` (the model's) reads; on CPU on huge pages, since decode
+    attention streams them as a step streams the weights."""
     arena = dispatch.memory_arena(device)
     return [
-        dispatch.allocate_kv_cache(
+        kernels.allocate_kv_cache(
             num_blocks, block_size, num_kv_heads, model_config.head_dim, kv_dtype, device, arena
         )
         for _ in range(model_config.num_layers)
@@ -133,6 +131,9 @@ class StepBroadcaster(Protocol):
 
 
 class ModelRunner:
+    """Runs a model's forward passes over the KV caches it allocates for it, in the layout and
+    with the one-call step the model's kernel policy (`model.kernels.policy`) chooses."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -156,6 +157,7 @@ class ModelRunner:
             kv.block_size,
             kv_dtype,
             device,
+            model.kernels,
         )
         self.graphs: DecodeGraphs | None = None
         if graph_max_batch:
@@ -166,12 +168,13 @@ class ModelRunner:
         # On CPU a decode-only step goes from token ids to logits in one C call where the
         # model offers one (cpu_decode_logits: the same bits, without the torch calls around
         # the fused stack, which run from cold caches after it). Not for tensor parallelism.
-        # The shape is the most sequences and blocks a step may have for it; None turns it
-        # off (a benchmark that wraps the model's forward needs every step to go through it).
-        self.one_call_shape: tuple[int, int] | None = (
-            (min(max_num_seqs, ONE_CALL_MAX_ROWS), -(-max_model_len // kv.block_size))
+        # Its buffers hold the most blocks a sequence may have (0: no such step here) and the
+        # most sequences a step may have, up to the policy's `one_call_max_rows`.
+        self._max_num_seqs = max_num_seqs
+        self._one_call_blocks = (
+            -(-max_model_len // kv.block_size)
             if device.type == "cpu" and workers is None and max_num_seqs and max_model_len
-            else None
+            else 0
         )
 
     @torch.inference_mode()
@@ -226,9 +229,12 @@ class ModelRunner:
         # and its row would have logits no request takes), no prompt logprobs.
         one_row_each = num_decodes == len(order) == len(sample_rows) and not prompt_spans
         one_call = self.one_call_step() if one_row_each else None
-        if one_call is not None and one_call.accepts(num_decodes, max_blocks):
+        policy = self.model.kernels.policy
+        if one_call is not None and one_call.accepts(num_decodes, max_blocks, policy):
             greedy = all(r.params.greedy for r in sample_rows)
-            logits, argmax = one_call.run(input_ids, positions, slots, seq_lens, tables, greedy)
+            logits, argmax = one_call.run(
+                input_ids, positions, slots, seq_lens, tables, greedy, policy=policy
+            )
             return StepLogits(sample_rows, logits, [], argmax)
         table = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for row, t in enumerate(tables):
@@ -264,13 +270,15 @@ class ModelRunner:
 
     def one_call_step(self) -> DecodeLogits | None:
         """The model's one-call CPU decode step (`decode_logits_for`) for this runner's
-        caches and step sizes, or None where there is none."""
-        if self.one_call_shape is None:
+        caches and step sizes under the model's kernel policy, or None where there is none
+        (the policy's `one_call_max_rows` 0 among the reasons)."""
+        rows = min(self._max_num_seqs, self.model.kernels.policy.one_call_max_rows)
+        if rows < 1 or not self._one_call_blocks:
             return None
         decode_logits_for = getattr(self.model, "decode_logits_for", None)
         if decode_logits_for is None:
             return None
-        return decode_logits_for(self.kv_caches, *self.one_call_shape)
+        return decode_logits_for(self.kv_caches, rows, self._one_call_blocks)
 
     def _prompt_logprobs(
         self, next_logits: Callable[[], torch.Tensor], span: _PromptSpan

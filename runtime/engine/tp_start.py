@@ -83,10 +83,13 @@ def start_tensor_parallel(
         timeout_s=COLLECTIVE_TIMEOUT_S,
         seed=config.seed,
         log_level=logging.getLogger().getEffectiveLevel(),
+        kernel_policy=config.kernel_policy,
     )
     workers = TPWorkers(spec)
     on_workers(workers)
-    model, mc, _ = load_model(source, dtype, device, tp=TPGroup(layout))
+    model, mc, _ = load_model(
+        source, dtype, device, tp=TPGroup(layout), policy=config.kernel_policy
+    )
     model.prepack()
     per_token = kv_bytes_per_token(mc, kv_dtype, layout.num_kv_heads)
     own = kv_budget() // (per_token * config.block_size)

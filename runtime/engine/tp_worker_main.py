@@ -72,7 +72,7 @@ def _load(rank: int, spec, conn: Connection):
     )
     tp = TPGroup(layout)
     dtype, kv_dtype = getattr(torch, spec.dtype), getattr(torch, spec.kv_dtype)
-    model, mc, _ = load_model(spec.model, dtype, device, tp=tp)
+    model, mc, _ = load_model(spec.model, dtype, device, tp=tp, policy=spec.kernel_policy)
     model.prepack()
     if spec.kv_cache_memory is not None:
         budget = spec.kv_cache_memory
@@ -104,7 +104,7 @@ def _load(rank: int, spec, conn: Connection):
     )
     init_process_group(spec, rank, store)
     caches = allocate_kv_caches(
-        mc, layout.num_kv_heads, num_blocks, spec.block_size, kv_dtype, device
+        mc, layout.num_kv_heads, num_blocks, spec.block_size, kv_dtype, device, model.kernels
     )
     log.info(
         "shard ready: %d query heads, %d KV heads, %d KV blocks",

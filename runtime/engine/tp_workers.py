@@ -22,6 +22,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from kvfleet.kernels.policy import KernelPolicy
+
 log = logging.getLogger(__name__)
 
 # A collective waits this long for its peers before raising. A peer that dies usually shows
@@ -86,6 +88,7 @@ class WorkerSpec:
     timeout_s: float
     seed: int
     log_level: int
+    kernel_policy: KernelPolicy  # rank 0's: every rank runs the same kernels
 
 
 def init_process_group(spec: WorkerSpec, rank: int, store: Any) -> None:

@@ -1,10 +1,11 @@
 """Our Llama-family model (Llama, SmolLM2, Mistral, Qwen2): one forward over every token a step
 schedules, prefill chunks and decodes mixed, with K/V kept in the paged cache.
 
-Every op that touches the cache or has a fused kernel goes through `kvfleet.kernels.dispatch`,
-so the same code runs the torch reference on CPU and Triton on CUDA. Projections are fused
-(q/k/v in one matmul, gate/up in one) to halve the number of GEMM launches per layer, and run
-through `dispatch.linear`, whose weights `LlamaModel.prepack` may swap for a faster layout.
+Every op that touches the cache or has a fused kernel goes through the model's
+`dispatch.Kernels`, built once from the kernel policy the model is given, so the same code runs
+the C kernels or the torch reference on CPU and Triton on CUDA. Projections are fused (q/k/v in
+one matmul, gate/up in one) to halve the number of GEMM launches per layer, and run through
+`Kernels.linear`, whose weights `LlamaModel.prepack` may swap for a faster layout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_logits, cpu_decode_step
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.models.config import ModelConfig
 from kvfleet.runtime.models.shard_layout import ShardLayout, shard_layout
 from kvfleet.runtime.models.tp_group import TPGroup
@@ -93,9 +95,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        kernels: dispatch.Kernels,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after this layer, every op on the model's `kernels`."""
         num_tokens = hidden.shape[0]
-        qkv, residual = dispatch.rms_norm_linear(
+        qkv, residual = kernels.rms_norm_linear(
             hidden, self.input_layernorm, self.eps, residual, self.qkv_proj, self.qkv_bias
         )
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -103,17 +107,17 @@ class LlamaDecoderLayer(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        q = dispatch.rotary_and_cache(
+        q = kernels.rotary_and_cache(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping
         )
-        attn = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        hidden = dispatch.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        attn = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        hidden = kernels.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
-        gate_up, residual = dispatch.rms_norm_linear(
+        gate_up, residual = kernels.rms_norm_linear(
             hidden, self.post_attention_layernorm, self.eps, residual, self.gate_up_proj
         )
-        hidden = dispatch.silu_and_mul_linear(gate_up, self.down_proj)
+        hidden = kernels.silu_and_mul_linear(gate_up, self.down_proj)
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
         return hidden, residual
@@ -125,7 +129,9 @@ class LlamaModel(nn.Module):
     them with `loader.load_weights` or `random_models.init_random_weights`.
 
     With `tp` (a tensor-parallel rank) it holds only `tp.layout`'s shard: its heads, its MLP
-    columns and its vocabulary rows of the embedding and the LM head."""
+    columns and its vocabulary rows of the embedding and the LM head. Its ops run the kernels
+    `policy` chooses (`kernels`: one `dispatch.Kernels` for the model's lifetime, unless a
+    benchmark swaps it with `use_kernel_policy`)."""
 
     def __init__(
         self,
@@ -133,10 +139,12 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tp: TPGroup | None = None,
+        policy: KernelPolicy = DEFAULT_POLICY,
     ):
         super().__init__()
         self.config = config
         self.tp = tp
+        self.kernels = dispatch.Kernels(policy)
         self.layout = tp.layout if tp is not None else full_layout(config)
         self.dtype, self.device = dtype, torch.device(device)
         h, vocab = config.hidden_size, self.layout.vocab_rows
@@ -161,8 +169,22 @@ class LlamaModel(nn.Module):
         self._one_call: cpu_decode_logits.DecodeLogits | None = None
         self._one_call_key: tuple | None = None
 
+    def use_kernel_policy(self, policy: KernelPolicy) -> KernelPolicy:
+        """Run every later op under `policy` instead; returns the policy it replaces. For
+        benchmarks that time one model's steps under several policies in turns (its fused
+        steps hold no policy, so nothing is rebuilt). The backend stays the one the model was
+        built with: its KV caches were laid out for it."""
+        previous = self.kernels.policy
+        if policy.backend != previous.backend:
+            raise ValueError(
+                f"backend: {policy.backend!r} differs from the model's {previous.backend!r}, "
+                "which its KV caches were laid out for; build another model instead"
+            )
+        self.kernels = dispatch.Kernels(policy)
+        return previous
+
     def prepack(self) -> None:
-        """Swap every projection weight and the LM head for the layout `dispatch.linear` runs
+        """Swap every projection weight and the LM head for the layout `Kernels.linear` runs
         fastest (on CPU in bfloat16: oneDNN's prepacked one and kvfleet's tiles; in other
         dtypes on CPU the same weight moved onto huge pages; on a GPU nothing changes). Call
         once, after loading: packed weights are no longer parameters (moved ones still are).
@@ -207,7 +229,7 @@ class LlamaModel(nn.Module):
                 cfg.rms_norm_eps,
                 self.layers[0].scale,
             )
-            self._stack = dispatch.decode_stack(layers, kv_caches, self.cos_sin_cache, shape)
+            self._stack = self.kernels.decode_stack(layers, kv_caches, self.cos_sin_cache, shape)
             self._stack_caches = kv_caches
         return self._stack
 
@@ -236,18 +258,19 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
         decodes first, as `meta` describes); K/V of every token is written to `kv_caches`."""
+        kernels = self.kernels
         hidden = self._embed(input_ids)
         stack = self.decode_stack_for(kv_caches)
-        if stack is not None and stack.accepts(meta, hidden.shape[0]):
+        if stack is not None and stack.accepts(meta, hidden.shape[0], kernels.policy):
             # The same six kernels per layer as below, in one call (cpu_decode_step).
-            hidden, residual = stack.run(hidden, positions, meta)
+            hidden, residual = stack.run(hidden, positions, meta, kernels.policy)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden, residual = layer(
-                    positions, hidden, residual, kv_cache, meta, self.cos_sin_cache
+                    positions, hidden, residual, kv_cache, meta, self.cos_sin_cache, kernels
                 )
-        hidden, _ = dispatch.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        hidden, _ = kernels.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -266,7 +289,7 @@ class LlamaModel(nn.Module):
         """float32 logits [N, vocab] for N hidden states (the engine passes one per sequence).
         A tensor-parallel rank computes its vocabulary slice; rank 0 gets the gathered whole
         and the other ranks None. Every rank must make the same calls, in the same order."""
-        logits = dispatch.linear(hidden, self.lm_head).float()
+        logits = self.kernels.linear(hidden, self.lm_head).float()
         if self.tp is None:
             return logits
         return self.tp.gather_logits(logits)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.models import hub
 from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
 from kvfleet.runtime.models.errors import ModelLoadError
@@ -267,18 +268,19 @@ def load_model(
     revision: str | None = None,
     token: str | None = None,
     tp: TPGroup | None = None,
+    policy: KernelPolicy = DEFAULT_POLICY,
 ) -> tuple[LlamaModel, ModelConfig, Path | None]:
     """Our model with its weights, its config, and the folder it came from (None for
     random:* models, which have none). `revision` and `token` are for Hub ids; with `tp` only
-    that rank's shard is built and read."""
+    that rank's shard is built and read; its ops run the kernels `policy` chooses."""
     if model.startswith(RANDOM_PREFIX):
         from kvfleet.runtime.models.random_models import build_random_model
 
-        net, config = build_random_model(model, dtype, device, tp=tp)
+        net, config = build_random_model(model, dtype, device, tp=tp, policy=policy)
         return net, config, None
     folder = resolve_model(model, revision, token)
     config = load_config(folder)
-    net = LlamaModel(config, dtype=dtype, device=device, tp=tp)
+    net = LlamaModel(config, dtype=dtype, device=device, tp=tp, policy=policy)
     load_weights(net, folder, dtype, device)
     net.eval()
     return net, config, folder

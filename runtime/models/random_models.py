@@ -11,6 +11,7 @@ byte-level one with the same special ids (`byte_tokenizer.py`). A larger vocabul
 from __future__ import annotations
 
 import torch
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.models.config import ModelConfig
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.tp_group import TPGroup
@@ -152,11 +153,12 @@ def build_random_model(
     device: torch.device | str,
     seed: int = 0,
     tp: TPGroup | None = None,
+    policy: KernelPolicy = DEFAULT_POLICY,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Our model in the shape `random:<name>` names, randomly initialised (a tensor-parallel
-    shard: its slice of the same values)."""
+    shard: its slice of the same values), its ops on the kernels `policy` chooses."""
     config = random_model_config(model)
-    net = LlamaModel(config, dtype=dtype, device=device, tp=tp)
+    net = LlamaModel(config, dtype=dtype, device=device, tp=tp, policy=policy)
     init_random_weights(net, seed)
     net.eval()
     return net, config

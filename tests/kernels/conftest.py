@@ -9,6 +9,7 @@ import pytest
 import torch
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_library
+from kvfleet.kernels.policy import KernelPolicy
 
 
 def _poisoned(factory):
@@ -41,14 +42,10 @@ def cpu_kernels_enabled(monkeypatch):
 
 
 @pytest.fixture
-def triton_backend():
-    """Force the Triton dispatch (CPU tensors, interpreter) for one test, then restore it."""
-    previous = dispatch.get_backend()
-    dispatch.set_backend("triton")
-    try:
-        yield
-    finally:
-        dispatch.set_backend(previous)
+def triton_kernels() -> dispatch.Kernels:
+    """The dispatch under a policy whose backend is Triton: its ops run the Triton kernels on
+    CPU tensors too (by the interpreter)."""
+    return dispatch.Kernels(KernelPolicy(backend="triton"))
 
 
 @pytest.fixture

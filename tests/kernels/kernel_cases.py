@@ -143,5 +143,7 @@ def record_rows(monkeypatch, module: object, name: str) -> list[int]:
     returned list, then runs the real function: which steps a dispatch sent to a kernel."""
     rows: list[int] = []
     real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(
+        module, name, lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k)
+    )
     return rows

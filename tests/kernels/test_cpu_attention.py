@@ -18,6 +18,7 @@ from kernel_cases import (
 )
 from kvfleet.kernels import dispatch, reference
 from kvfleet.kernels.cpu import cpu_attention, cpu_library
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -61,7 +62,8 @@ def test_bf16_dot_path_built_where_the_cpu_has_it():
 
 def test_amx_path_where_the_cpu_has_it():
     """bf16 caches with head_dim 64 run on AMX tiles wherever the CPU has AMX-BF16, so the
-    `amx` cases below test that path there (and the dot path when it is turned off)."""
+    `amx` cases below test that path there (and the dot path where their policy turns it
+    off)."""
     assert cpu_attention.uses_amx() == cpu_has_amx()
 
 
@@ -72,17 +74,17 @@ def test_amx_path_where_the_cpu_has_it():
     ids=[f"b{c[0]}-kvh{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}-{str(c[5])[6:]}" for c in CASES],
 )
 def test_decode_matches_reference_and_dense(
-    poison_allocations, monkeypatch, either_build, amx, batch, kv_heads, ratio, head_dim,
+    poison_allocations, either_build, amx, batch, kv_heads, ratio, head_dim,
     block_size, dtype, max_len,
 ):  # fmt: skip
-    monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
+    policy = KernelPolicy(allow_amx=amx)
     case, lens, args = make_inputs(
         hash((batch, kv_heads, ratio)) % 2**31, batch, kv_heads, ratio, head_dim, block_size,
         dtype, max_len,
     )  # fmt: skip
     query, k, v = args[:3]
     assert cpu_attention.supports(query, k, v)
-    got = cpu_attention.decode_attention(*args)
+    got = cpu_attention.decode_attention(*args, policy=policy)
     assert got.dtype == dtype and got.shape == query.shape
     assert not got.isnan().any(), "unwritten output elements"
     want = reference.decode_attention(*args)
@@ -111,7 +113,7 @@ def test_decode_scores_that_keep_rising_rescale_exactly(either_build, dtype):
     query = torch.randn((len(lens), 3, 64), generator=gen).to(dtype)
     k, v = head_major(case.k_cache), head_major(case.v_cache)
     got = cpu_attention.decode_attention(
-        query, k, v, case.block_tables, case.seq_lens, max(lens), 0.125
+        query, k, v, case.block_tables, case.seq_lens, max(lens), 0.125, policy=DEFAULT_POLICY
     )
     assert torch.isfinite(got).all()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(atol=1e-2, rtol=1e-2)
@@ -123,17 +125,19 @@ def test_decode_scores_that_keep_rising_rescale_exactly(either_build, dtype):
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
-def test_bf16_query_strided_in_qkv_rows_gives_the_float32_paths_bits(monkeypatch, amx):
+def test_bf16_query_strided_in_qkv_rows_gives_the_float32_paths_bits(amx):
     """A bf16 model's q is a view into the qkv projection's rows; the kernel reads it in place
     and writes bf16, the same bits as widening q to float32 and casting the output back."""
-    monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
+    policy = KernelPolicy(allow_amx=amx)
     _, _, (query, k, v, tables, lens, max_len, scale) = make_inputs(3, 9, 3, 3, 64, 16, BF16, 150)
     qkv = torch.randn((9, query.shape[1] * 64 + 2 * 3 * 64), dtype=F32).to(BF16)
     q_view = qkv[:, : query.shape[1] * 64].view(9, query.shape[1], 64)
     q_view.copy_(query)
     assert not q_view.is_contiguous()
-    got = cpu_attention.run_decode(q_view, k, v, tables, lens, max_len, scale)
-    via_float32 = cpu_attention.run_decode(q_view.float(), k, v, tables, lens, max_len, scale)
+    got = cpu_attention.run_decode(q_view, k, v, tables, lens, max_len, scale, policy=policy)
+    via_float32 = cpu_attention.run_decode(
+        q_view.float(), k, v, tables, lens, max_len, scale, policy=policy
+    )
     assert got.dtype == BF16 and via_float32.dtype == F32
     assert torch.equal(got, via_float32.to(BF16))
 
@@ -145,9 +149,9 @@ def test_thread_counts_agree():
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_attention.decode_attention(*args)
+        one = cpu_attention.decode_attention(*args, policy=DEFAULT_POLICY)
         torch.set_num_threads(2)
-        two = cpu_attention.decode_attention(*args)
+        two = cpu_attention.decode_attention(*args, policy=DEFAULT_POLICY)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(one, two)
@@ -157,15 +161,19 @@ def test_unsupported_inputs_go_to_reference():
     """A token-major cache, float16 or head_dim 72 (not a multiple of 16) are the reference's: same answer, no error."""
     _, _, (query, k, v, *rest) = make_inputs(3, 4, 2, 3, 64, 16, F32, 50)
     assert not cpu_attention.supports(query, k.contiguous(), v.contiguous())
-    got = cpu_attention.decode_attention(query, k.contiguous(), v.contiguous(), *rest)
+    got = cpu_attention.decode_attention(
+        query, k.contiguous(), v.contiguous(), *rest, policy=DEFAULT_POLICY
+    )
     torch.testing.assert_close(got, reference.decode_attention(query, k, v, *rest))
     half = (query.half(), k.half(), v.half())
     assert not cpu_attention.supports(*half)
-    assert cpu_attention.decode_attention(*half, *rest).dtype == torch.float16
+    assert (
+        cpu_attention.decode_attention(*half, *rest, policy=DEFAULT_POLICY).dtype == torch.float16
+    )
     _, _, (q72, k72, v72, *rest72) = make_inputs(4, 3, 1, 2, 72, 8, F32, 30)
     assert not cpu_attention.supports(q72, k72, v72)
     torch.testing.assert_close(
-        cpu_attention.decode_attention(q72, k72, v72, *rest72),
+        cpu_attention.decode_attention(q72, k72, v72, *rest72, policy=DEFAULT_POLICY),
         reference.decode_attention(q72, k72, v72, *rest72),
     )
 
@@ -178,8 +186,10 @@ def _dispatch_mixed_batch(monkeypatch, expect_kernel: bool) -> None:
     tokens = torch.randn((7, query.shape[1], 64), generator=torch.Generator().manual_seed(1))
     calls = []
     real = cpu_attention.run_decode
-    monkeypatch.setattr(cpu_attention, "run_decode", lambda *a: calls.append(1) or real(*a))
-    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    monkeypatch.setattr(
+        cpu_attention, "run_decode", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    got = dispatch.Kernels().paged_attention(tokens, k, v, meta, 0.125)
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[F32])
     assert bool(calls) == expect_kernel
@@ -227,10 +237,8 @@ LONG_LENS = [1025, 2048, 2600, 1024, 5, 3073]
 @pytest.mark.parametrize(
     "dtype,block_size", [(F32, 16), (BF16, 16), (BF16, 32), (F32, 8), (torch.float8_e4m3fn, 16)]
 )
-def test_long_contexts_split_then_combined_match_dense(
-    monkeypatch, either_build, amx, dtype, block_size
-):
-    monkeypatch.setattr(cpu_attention, "ALLOW_AMX", amx)
+def test_long_contexts_split_then_combined_match_dense(either_build, amx, dtype, block_size):
+    policy = KernelPolicy(allow_amx=amx)
     gen = torch.Generator().manual_seed(11)
     case = paged_case(gen, LONG_LENS, block_size, 2, 64, BF16 if dtype.itemsize == 1 else dtype)
     k, v = head_major(case.k_cache), head_major(case.v_cache)
@@ -239,7 +247,7 @@ def test_long_contexts_split_then_combined_match_dense(
     query = torch.randn((len(LONG_LENS), 6, 64), generator=gen).to(BF16 if dtype != F32 else F32)
     assert cpu_attention.supports(query, k, v)
     got = cpu_attention.decode_attention(
-        query, k, v, case.block_tables, case.seq_lens, max(LONG_LENS), 0.125
+        query, k, v, case.block_tables, case.seq_lens, max(LONG_LENS), 0.125, policy=policy
     )
     for s, n in enumerate(LONG_LENS):
         kc = contiguous_context(k.float(), case.block_tables[s], n)
@@ -257,8 +265,9 @@ def test_a_long_sequence_gets_the_same_bits_alone_in_a_batch_and_on_one_thread()
     k, v = head_major(case.k_cache), head_major(case.v_cache)
     query = torch.randn((len(LONG_LENS), 9, 64), generator=gen).to(BF16)
     batch = cpu_attention.run_decode(
-        query, k, v, case.block_tables, case.seq_lens, max(LONG_LENS), 0.125
-    )
+        query, k, v, case.block_tables, case.seq_lens, max(LONG_LENS), 0.125,
+        policy=DEFAULT_POLICY,
+    )  # fmt: skip
     previous = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -266,7 +275,7 @@ def test_a_long_sequence_gets_the_same_bits_alone_in_a_batch_and_on_one_thread()
             for s in (0, 2, 5):
                 alone = cpu_attention.run_decode(
                     query[s : s + 1], k, v, case.block_tables[s : s + 1],
-                    case.seq_lens[s : s + 1], LONG_LENS[s], 0.125,
+                    case.seq_lens[s : s + 1], LONG_LENS[s], 0.125, policy=DEFAULT_POLICY,
                 )  # fmt: skip
                 assert torch.equal(alone[0], batch[s]), (threads, s)
     finally:

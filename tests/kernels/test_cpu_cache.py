@@ -5,6 +5,9 @@ import torch
 from kvfleet.kernels import dispatch, reference
 from kvfleet.kernels.cpu import cpu_cache, cpu_elementwise
 
+# The default kernel policy's dispatch, as a model built with none runs it.
+KERNELS = dispatch.Kernels()
+
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
@@ -91,7 +94,7 @@ def test_rotary_and_cache_writes_the_bytes_of_the_two_separate_calls(
     wq, wk = cpu_elementwise.rotary_embedding(positions, wq, wk, cos_sin)
     cpu_cache.reshape_and_cache(wk, wv, want_k, want_v, slots)
 
-    got_q = dispatch.rotary_and_cache(positions, q, k, v, cos_sin, got_k, got_v, slots)
+    got_q = KERNELS.rotary_and_cache(positions, q, k, v, cos_sin, got_k, got_v, slots)
 
     assert got_q.data_ptr() == q.data_ptr() and torch.equal(qkv, want_qkv)
     assert torch.equal(got_q, wq)
@@ -106,10 +109,10 @@ def test_rotary_and_cache_bad_slot_or_position_is_an_error_that_writes_nothing()
     k_cache, v_cache = caches(2, 8, 1, 64, torch.bfloat16)
     cos_sin = torch.randn(16, 64, generator=gen)
     with pytest.raises(IndexError, match=r"past the cache \(16\)"):
-        dispatch.rotary_and_cache(torch.tensor([0, 1, 2]), q, k, v, cos_sin, k_cache, v_cache,
+        KERNELS.rotary_and_cache(torch.tensor([0, 1, 2]), q, k, v, cos_sin, k_cache, v_cache,
                                   torch.tensor([3, 16, 4]))  # fmt: skip
     with pytest.raises(IndexError, match=r"outside \[0, 16\)"):
-        dispatch.rotary_and_cache(torch.tensor([0, 16, 2]), q, k, v, cos_sin, k_cache, v_cache,
+        KERNELS.rotary_and_cache(torch.tensor([0, 16, 2]), q, k, v, cos_sin, k_cache, v_cache,
                                   torch.tensor([3, 15, 4]))  # fmt: skip
     assert torch.equal(qkv, before) and bool(k_cache.isnan().all())
 
@@ -126,7 +129,7 @@ def test_rotary_and_cache_into_an_fp8_cache_takes_the_separate_paths(dtype):
     got_k, got_v = reference.allocate_kv_cache(4, 8, 1, 64, cache_dtype, "cpu", head_major=True)
     wq, wk = cpu_elementwise.rotary_embedding(positions, q.clone(), k.clone(), cos_sin)
     cpu_cache.reshape_and_cache(wk, v, want_k, want_v, slots)
-    got_q = dispatch.rotary_and_cache(positions, q, k, v, cos_sin, got_k, got_v, slots)
+    got_q = KERNELS.rotary_and_cache(positions, q, k, v, cos_sin, got_k, got_v, slots)
     assert torch.equal(got_q, wq)
     assert torch.equal(got_k.float(), want_k.float()) and torch.equal(got_v.float(), want_v.float())
 

@@ -7,6 +7,9 @@ from kernel_cases import TOLERANCE
 from kvfleet.kernels import dispatch, reference
 from kvfleet.kernels.cpu import cpu_elementwise, cpu_library
 
+# The default kernel policy's dispatch, as a model built with none runs it.
+KERNELS = dispatch.Kernels()
+
 BF16, F32 = torch.bfloat16, torch.float32
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
@@ -182,8 +185,8 @@ def test_dispatch_takes_the_c_kernels_for_bf16_and_float32_only(monkeypatch):
             calls.append((name, a[-2])) or real(*a)))  # fmt: skip
     x, w = torch.randn(3, 64), torch.randn(64)
     for dtype in (F32, BF16, torch.float16):
-        dispatch.rms_norm(x.to(dtype), w.to(dtype), 1e-5)
-        dispatch.silu_and_mul(x.to(dtype))
+        KERNELS.rms_norm(x.to(dtype), w.to(dtype), 1e-5)
+        KERNELS.silu_and_mul(x.to(dtype))
     codes = cpu_library.DTYPE_CODES
     assert calls == [  # float16 stays on the reference
         ("kvfleet_add_rms_norm", codes[F32]),
@@ -199,7 +202,7 @@ def test_disabled_kernels_fall_back_to_the_reference(monkeypatch):
     monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
     x, w = torch.randn(3, 64).to(BF16), torch.randn(64).to(BF16)
     residual = torch.randn(3, 64)
-    out, res = dispatch.rms_norm(x, w, 1e-5, residual)
+    out, res = KERNELS.rms_norm(x, w, 1e-5, residual)
     want_out, want_res = reference.rms_norm(x, w, 1e-5, residual)
     assert torch.equal(out, want_out) and torch.equal(res, want_res)
     assert res.data_ptr() != residual.data_ptr()  # the reference makes a new tensor

@@ -7,9 +7,13 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_features, cpu_gemm, cpu_linear
+from kvfleet.kernels.cpu import cpu_features, cpu_linear
+from kvfleet.kernels.policy import KernelPolicy
 
 BF16 = torch.bfloat16
+# Every row count on oneDNN, whichever cpu_gemm engine runs here.
+ONEDNN_ONLY = dispatch.Kernels(KernelPolicy(amx_gemm_max_rows=0, avx512_bf16_gemm_max_rows=0))
+KERNELS = dispatch.Kernels()  # the default kernel policy
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 packs_bf16 = pytest.mark.skipif(
@@ -24,18 +28,14 @@ packs_bf16 = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_gives_f_linear_numbers(
-    monkeypatch, rows, out_features, in_features, with_bias
-):
-    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)  # every row count on oneDNN, whichever engine
-    monkeypatch.setattr(cpu_gemm, "VECTOR_MAX_ROWS", 0)
+def test_packed_linear_gives_f_linear_numbers(rows, out_features, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen).to(BF16)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(BF16)
     b = torch.randn(out_features, generator=gen).to(BF16) if with_bias else None
     packed = dispatch.prepack_linear_weight(w)
     assert isinstance(packed, cpu_linear.PackedLinear) and packed.onednn.is_mkldnn
-    got = dispatch.linear(x, packed, b)
+    got = ONEDNN_ONLY.linear(x, packed, b)
     assert got.dtype == BF16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=0)
 
@@ -48,9 +48,9 @@ def test_packed_linear_takes_strided_and_batched_inputs():
     packed = dispatch.prepack_linear_weight(w)
     wide = torch.randn(5, 128, generator=gen).to(BF16)
     strided = wide[:, ::2]  # every other column: not contiguous
-    torch.testing.assert_close(dispatch.linear(strided, packed), F.linear(strided, w))
+    torch.testing.assert_close(KERNELS.linear(strided, packed), F.linear(strided, w))
     batched = torch.randn(2, 3, 64, generator=gen).to(BF16)
-    got = dispatch.linear(batched, packed)
+    got = KERNELS.linear(batched, packed)
     assert got.shape == (2, 3, 48)
     torch.testing.assert_close(got, F.linear(batched, w))
 
@@ -82,7 +82,7 @@ def test_disabled_kernels_keep_the_plain_weight(monkeypatch):
     w = torch.randn(8, 16).to(BF16)
     assert dispatch.prepack_linear_weight(w) is w
     x = torch.randn(3, 16).to(BF16)
-    assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
+    assert torch.equal(KERNELS.linear(x, w), F.linear(x, w))
 
 
 @given(st.integers(min_value=1, max_value=1 << 16))

@@ -17,6 +17,7 @@ from kernel_cases import (
 )
 from kvfleet.kernels import dispatch, reference
 from kvfleet.kernels.cpu import cpu_library, cpu_prefill
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 BF16, F32 = torch.bfloat16, torch.float32
 # float32 against a float64 softmax: summation order and exp's 2 ulp, nothing more.
@@ -25,22 +26,23 @@ CLOSE = {BF16: TOLERANCE[BF16], F32: dict(atol=1e-5, rtol=1e-5)}
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 
 
-# The kernels a test can run: bf16 on AMX, bf16 on AVX-512 (AMX switched off, so an AMX host
-# tests both), float32 on AVX-512.
+# The kernels a test can run: bf16 on AMX, bf16 on AVX-512 (its policy switches AMX off, so an
+# AMX host tests both), float32 on AVX-512.
 AMX, AVX512_BF16, AVX512_F32 = "amx", "avx512-bf16", "avx512-f32"
 KERNEL_DTYPE = {AMX: BF16, AVX512_BF16: BF16, AVX512_F32: F32}
 
 
-def _use(kernel: str, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
-    """Route this test's `kernel` dtype to `kernel`, or skip where this CPU lacks it; its dtype."""
-    monkeypatch.setattr(cpu_prefill, "ALLOW_AMX", kernel == AMX)
+def _use(kernel: str) -> tuple[torch.dtype, KernelPolicy]:
+    """`kernel`'s dtype and the kernel policy that routes that dtype to it, or skip where this
+    CPU lacks it."""
+    policy = KernelPolicy(allow_amx=kernel == AMX)
     want = {AMX: cpu_prefill.KERNEL_AMX, AVX512_BF16: cpu_prefill.KERNEL_AVX512}.get(kernel)
     if kernel == AVX512_F32:
-        if not cpu_prefill.available(F32):
+        if not cpu_prefill.available(F32, policy=policy):
             pytest.skip("this CPU or build has no AVX-512 (a test below checks which)")
-    elif cpu_prefill.bf16_kernel() != want:
+    elif cpu_prefill.bf16_kernel(policy) != want:
         pytest.skip(f"this CPU or build has no {want} (a test below checks which)")
-    return KERNEL_DTYPE[kernel]
+    return KERNEL_DTYPE[kernel], policy
 
 
 def test_kernels_where_the_cpu_has_them():
@@ -57,9 +59,9 @@ def test_kernels_where_the_cpu_has_them():
         else None
     )
     want = cpu_prefill.KERNEL_AMX if cpu_has_amx() else vectors
-    assert cpu_prefill.bf16_kernel() == want
-    assert cpu_prefill.available() == (want is not None)
-    assert cpu_prefill.available(F32) == (vectors is not None)
+    assert cpu_prefill.bf16_kernel(DEFAULT_POLICY) == want
+    assert cpu_prefill.available(policy=DEFAULT_POLICY) == (want is not None)
+    assert cpu_prefill.available(F32, policy=DEFAULT_POLICY) == (vectors is not None)
 
 
 def test_the_avx2_build_matches_dense_softmax(monkeypatch):
@@ -68,29 +70,30 @@ def test_the_avx2_build_matches_dense_softmax(monkeypatch):
     if "avx512f" not in cpu_flags() or not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("needs a CPU with AVX-512 to build the AVX2 form beside the regular one")
     monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
-    monkeypatch.setattr(cpu_prefill, "ALLOW_AMX", False)
+    policy = KernelPolicy(allow_amx=False)
     cpu_library.library.cache_clear()
-    assert cpu_prefill.bf16_kernel() == cpu_prefill.KERNEL_AVX2
+    assert cpu_prefill.bf16_kernel(policy) == cpu_prefill.KERNEL_AVX2
     for dtype in (F32, BF16):
         for q_len, seq_len, kv_heads, ratio, head_dim, block_size in CASES + F32_CASES[:2]:
             query, k, v, table = _case(
                 q_len + 3, q_len, seq_len, kv_heads, ratio, head_dim, block_size, dtype=dtype
             )
             scale = head_dim**-0.5
-            got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+            got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
             kc, vc = contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len)
             torch.testing.assert_close(
                 got.double(), dense_attention(query, kc, vc, scale), **CLOSE[dtype]
             )
-    # Past AVX2_MAX_CONTEXT the AVX2 build leaves the sequence to SDPA, which is faster there:
-    # run_prefill (the dispatch's prefill_fn) declines it, writing nothing, and takes shorter.
-    monkeypatch.setattr(cpu_prefill, "AVX2_MAX_CONTEXT", 50)
+    # Past the policy's avx2_prefill_max_context the AVX2 build leaves the sequence to SDPA,
+    # which is faster there: run_prefill (the dispatch's prefill_fn) declines it, writing
+    # nothing, and takes shorter.
+    short = KernelPolicy(allow_amx=False, avx2_prefill_max_context=50)
     query, k, v, table = _case(1, 20, 60, 2, 3, 64, 16)
     out = torch.full_like(query, 7.0)
-    assert not cpu_prefill.run_prefill(query, k, v, table, 60, 0.125, out)
+    assert not cpu_prefill.run_prefill(query, k, v, table, 60, 0.125, out, policy=short)
     assert bool((out == 7.0).all())
     query, k, v, table = _case(1, 20, 50, 2, 3, 64, 16)
-    assert cpu_prefill.run_prefill(query, k, v, table, 50, 0.125, out)
+    assert cpu_prefill.run_prefill(query, k, v, table, 50, 0.125, out, policy=short)
     kc, vc = contiguous_context(k, table, 50), contiguous_context(v, table, 50)
     torch.testing.assert_close(out.double(), dense_attention(query, kc, vc, 0.125), **CLOSE[BF16])
 
@@ -136,13 +139,13 @@ KERNEL_CASES = (
     ids=[f"{c[0]}-q{c[1]}-ctx{c[2]}-kvh{c[3]}-g{c[4]}-d{c[5]}-bs{c[6]}" for c in KERNEL_CASES],
 )
 def test_prefill_matches_dense_softmax_and_sdpa(
-    monkeypatch, kernel, q_len, seq_len, kv_heads, ratio, head_dim, block_size
+    kernel, q_len, seq_len, kv_heads, ratio, head_dim, block_size
 ):
-    dtype = _use(kernel, monkeypatch)
+    dtype, policy = _use(kernel)
     query, k, v, table = _case(q_len * seq_len, q_len, seq_len, kv_heads, ratio, head_dim,
                                block_size, dtype=dtype)  # fmt: skip
     scale = head_dim**-0.5
-    got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+    got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
     assert got.dtype == dtype
     dense = dense_attention(
         query, contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len), scale
@@ -159,11 +162,11 @@ def test_bf16_on_avx512_without_bf16_dot_products(monkeypatch):
         pytest.skip("the regular build here already is one without AVX512-BF16")
     monkeypatch.setattr(cpu_library, "FLAGS", [*cpu_library.FLAGS, "-mno-avx512bf16"])
     cpu_library.library.cache_clear()
-    _use(AVX512_BF16, monkeypatch)
+    _, policy = _use(AVX512_BF16)
     for q_len, seq_len, kv_heads, ratio, head_dim, block_size in CASES[:5]:
         query, k, v, table = _case(q_len, q_len, seq_len, kv_heads, ratio, head_dim, block_size)
         scale = head_dim**-0.5
-        got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale)
+        got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
         dense = dense_attention(
             query,
             contiguous_context(k, table, seq_len),
@@ -174,14 +177,14 @@ def test_bf16_on_avx512_without_bf16_dot_products(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [AMX, AVX512_BF16, AVX512_F32])
-def test_scores_that_keep_rising_rescale_exactly(monkeypatch, kernel):
+def test_scores_that_keep_rising_rescale_exactly(kernel):
     """Keys growing along the sequence (key p scaled by 1 + p / 20) make the scores' range grow
     to hundreds of nats, so the running max passes its slack again and again: every rescale
     must keep the result a softmax (no overflow, no stale-max bias)."""
-    dtype = _use(kernel, monkeypatch)
+    dtype, policy = _use(kernel)
     query, k, v, table = _case(7, 64, 700, 1, 3, 64, 16, ramp=0.05, dtype=dtype)
     scale = 64**-0.5
-    got = cpu_prefill.prefill_attention(query, k, v, table, 700, scale)
+    got = cpu_prefill.prefill_attention(query, k, v, table, 700, scale, policy=policy)
     assert torch.isfinite(got.float()).all()
     dense = dense_attention(
         query, contiguous_context(k, table, 700), contiguous_context(v, table, 700), scale
@@ -192,23 +195,25 @@ def test_scores_that_keep_rising_rescale_exactly(monkeypatch, kernel):
 
 
 @pytest.mark.parametrize("kernel", [AMX, AVX512_BF16, AVX512_F32])
-def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice(monkeypatch, kernel):
+def test_reads_queries_from_a_fused_qkv_row_and_writes_into_a_slice(kernel):
     """The model's query is a view of the fused qkv projection (token stride > heads * D) and
     the result goes into rows of the step's output tensor."""
-    dtype = _use(kernel, monkeypatch)
+    dtype, policy = _use(kernel)
     q_len, heads, kv_heads, d = 20, 6, 2, 64
     query, k, v, table = _case(3, q_len, 50, kv_heads, heads // kv_heads, d, 16, dtype=dtype)
     qkv = torch.zeros(q_len, (heads + 2 * kv_heads) * d, dtype=dtype)
     qkv[:, : heads * d] = query.reshape(q_len, -1)
     strided = qkv[:, : heads * d].view(q_len, heads, d)
     out = torch.full((q_len + 5, heads, d), 7.0, dtype=dtype)
-    cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=out[5:])
+    cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=out[5:], policy=policy)
     assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=dtype))  # untouched
     want = reference.prefill_attention(query, k, v, table, 50, 0.125)
     torch.testing.assert_close(out[5:], want, **TOLERANCE[dtype])
     # A destination whose heads are not packed per token is written through a packed buffer.
     heads_major = torch.zeros(heads, q_len, d, dtype=dtype).transpose(0, 1)
-    got = cpu_prefill.prefill_attention(strided, k, v, table, 50, 0.125, out=heads_major)
+    got = cpu_prefill.prefill_attention(
+        strided, k, v, table, 50, 0.125, out=heads_major, policy=policy
+    )
     assert got is heads_major
     torch.testing.assert_close(heads_major, want, **TOLERANCE[dtype])
 
@@ -229,27 +234,28 @@ DISPATCH_CASES = [(AMX, 16), (AVX512_BF16, 16), (AVX512_BF16, 8), (AVX512_F32, 1
 
 @pytest.mark.parametrize("kernel,block_size", DISPATCH_CASES)
 def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, kernel, block_size):
-    dtype = _use(kernel, monkeypatch)
+    dtype, policy = _use(kernel)
     calls = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     tokens, k, v, meta = _mixed_batch(dtype, block_size, activations=dtype)
-    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    got = dispatch.Kernels(policy).paged_attention(tokens, k, v, meta, 0.125)
     assert calls == [40, 9]  # one call per prefill, none for the decodes
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
 def test_the_avx2_build_leaves_long_contexts_of_a_step_to_sdpa(monkeypatch):
-    """Built for AVX2, a prefill whose context passes AVX2_MAX_CONTEXT runs on the reference's
-    SDPA, in the same step as shorter ones on the kernel."""
-    if not cpu_prefill.available(F32):
+    """Built for AVX2, a prefill whose context passes the policy's avx2_prefill_max_context runs
+    on the reference's SDPA, in the same step as shorter ones on the kernel."""
+    if not cpu_prefill.available(F32, policy=DEFAULT_POLICY):
         pytest.skip("this CPU or build has no AVX-512 or AVX2 (a test above checks which)")
     tokens, k, v, meta = _mixed_batch(F32, activations=F32)
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
+    # An AVX2 build, as the CPU reports it (whatever this one is).
     monkeypatch.setattr(cpu_prefill, "_vectors", lambda: cpu_prefill.KERNEL_AVX2)
-    monkeypatch.setattr(cpu_prefill, "AVX2_MAX_CONTEXT", 30)  # the prefills' contexts: 40, 25
+    policy = KernelPolicy(avx2_prefill_max_context=30)  # the prefills' contexts: 40, 25
     kernel_rows = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     sdpa_rows = record_rows(monkeypatch, reference, "prefill_attention")
-    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    got = dispatch.Kernels(policy).paged_attention(tokens, k, v, meta, 0.125)
     assert kernel_rows == [9] and sdpa_rows == [40]
     torch.testing.assert_close(got, want, **TOLERANCE[F32])
 
@@ -257,15 +263,16 @@ def test_the_avx2_build_leaves_long_contexts_of_a_step_to_sdpa(monkeypatch):
 @pytest.mark.parametrize("reason", ["fp8 cache", "bf16 8-token blocks on AMX", "kernels off"])
 def test_what_the_kernel_does_not_take_stays_on_sdpa(monkeypatch, reason):
     calls = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
+    policy = DEFAULT_POLICY
     if reason == "fp8 cache":
         tokens, k, v, meta = _mixed_batch(dtype=torch.float8_e4m3fn)
     elif reason == "bf16 8-token blocks on AMX":
-        _use(AMX, monkeypatch)
+        _, policy = _use(AMX)
         tokens, k, v, meta = _mixed_batch(block_size=8)
     else:
         monkeypatch.setenv("KVFLEET_CPU_KERNELS", "0")
         tokens, k, v, meta = _mixed_batch()
-    got = dispatch.paged_attention(tokens, k, v, meta, 0.125)
+    got = dispatch.Kernels(policy).paged_attention(tokens, k, v, meta, 0.125)
     assert calls == []
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[BF16])

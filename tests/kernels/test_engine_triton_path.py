@@ -1,8 +1,9 @@
-"""The engine with the Triton kernels forced (CUDA's path, run by the interpreter on CPU) must
-produce the same greedy tokens as the torch reference path on a tiny model."""
+"""The engine with the Triton kernels forced by its kernel policy (CUDA's path, run by the
+interpreter on CPU) must produce the same greedy tokens as the torch reference path on a tiny
+model."""
 
 import pytest
-from kvfleet.kernels import dispatch
+from kvfleet.kernels.policy import KernelPolicy
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -33,13 +34,10 @@ def tiny_model(request) -> str:
 def _greedy_tokens(model: str, backend: str, setup: dict) -> list[list[int]]:
     from kvfleet.runtime import LLM, SamplingParams
 
-    previous = dispatch.get_backend()
-    dispatch.set_backend(backend)
-    try:
-        llm = LLM(model=model, dtype="float32", max_model_len=256, **setup)
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
-    finally:
-        dispatch.set_backend(previous)
+    policy = KernelPolicy(backend=backend)
+    llm = LLM(model=model, dtype="float32", max_model_len=256, kernel_policy=policy, **setup)
+    assert llm.engine.model.kernels.policy is policy  # the engine's model runs the given one
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -60,4 +58,3 @@ def test_triton_path_generates_the_same_greedy_tokens(tiny_model, setup, monkeyp
 
     assert len(want) == len(PROMPTS) and all(want)
     assert got == want
-    assert dispatch.get_backend() == "auto"

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.bench import cpu_kernels
+from kvfleet.kernels.bench import cpu_kernels, cpu_kernels_cases
+from kvfleet.kernels.bench.cpu_kernels_cases import KernelMismatch, gemm_weights, huge_page_tiles
 from kvfleet.kernels.cpu import (
     cpu_attention,
     cpu_elementwise,
@@ -15,6 +16,7 @@ from kvfleet.kernels.cpu import (
     cpu_linear,
     cpu_prefill,
 )
+from kvfleet.kernels.policy import DEFAULT_POLICY
 from kvfleet.runtime.cli import main
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 def test_prefill_row_times_the_bf16_kernel_against_sdpa():
     row = cpu_kernels.prefill_row(torch, 40, 100, iters=1)
     assert row.query_tokens == 40 and row.context_tokens == 100 and row.reference_ms > 0
-    assert row.kernel == cpu_prefill.bf16_kernel()
-    if cpu_prefill.available():
+    assert row.kernel == cpu_prefill.bf16_kernel(DEFAULT_POLICY)
+    if cpu_prefill.available(policy=DEFAULT_POLICY):
         assert row.kernel_ms > 0
         assert row.kernel_speedup == pytest.approx(row.reference_ms / row.kernel_ms)
     else:
@@ -38,19 +40,18 @@ def test_decode_row_times_each_path_this_cpu_has(shuffled):
     assert row.block_order == ("shuffled" if shuffled else "consecutive")
     assert (row.dot_ms is not None) == cpu_attention.uses_bf16_dot()
     assert (row.amx_ms is not None) == cpu_attention.uses_amx()
-    assert cpu_attention.ALLOW_AMX  # restored after timing the dot path
 
 
 def test_consecutive_layout_gives_each_sequence_one_run_of_blocks():
     gen = torch.Generator().manual_seed(0)
-    _, _, tables = cpu_kernels._paged_cache(torch, [40, 16, 1], gen, shuffled=False)
+    _, _, tables = cpu_kernels_cases.paged_cache(torch, [40, 16, 1], gen, shuffled=False)
     assert tables[:, :3].tolist() == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
-    _, _, shuffled = cpu_kernels._paged_cache(torch, [400], gen)
+    _, _, shuffled = cpu_kernels_cases.paged_cache(torch, [400], gen)
     assert sorted(shuffled[0].tolist()) == list(range(25)) != shuffled[0].tolist()
 
 
 def test_a_wrong_kernel_fails_the_benchmark_instead_of_timing_it(monkeypatch, capsys):
-    if not cpu_prefill.available():
+    if not cpu_prefill.available(policy=DEFAULT_POLICY):
         pytest.skip("no AMX or AVX-512: the prefill kernel is not timed on this CPU")
     monkeypatch.setattr(cpu_kernels, "PREFILL_SHAPES", ((20, 20),))
     monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda q, *a, **k: torch.zeros_like(q))
@@ -106,8 +107,9 @@ def _eps_wrong(real):
 def _scaled_wrong(real):
     """Decode attention with a wrong scale on float32 caches only (the bf16 rows stay right)."""
 
-    def wrong(q, k, v, tables, lens, max_len, scale):
-        return real(q, k, v, tables, lens, max_len, scale * (2 if q.dtype == torch.float32 else 1))
+    def wrong(q, k, v, tables, lens, max_len, scale, **kwargs):
+        twice = 2 if q.dtype == torch.float32 else 1
+        return real(q, k, v, tables, lens, max_len, scale * twice, **kwargs)
 
     return wrong
 
@@ -141,45 +143,57 @@ def test_rejects_zero_iterations(capsys):
     assert "--iters must be >= 1" in capsys.readouterr().err
 
 
+def _packed_step_weights() -> tuple[list, list]:
+    """One layer's and the LM head's plain and packed bf16 weights, or skip where bf16 weights
+    are not packed (no oneDNN bf16 GEMM, or bf16 only emulated): the command times no
+    projections there, and oneDNN refuses to pack them."""
+    if not cpu_linear.available():
+        pytest.skip("bf16 weights are not packed here: the command times no projections")
+    return gemm_weights(torch, layers=1)
+
+
 def test_gemm_row_times_onednn_and_cpu_gemm_on_a_steps_weights():
-    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
+    plain, packed = _packed_step_weights()
     assert [tuple(w.shape) for w in plain] == [(960, 576), (576, 576), (3072, 576), (576, 1536),
                                               (49152, 576)]  # fmt: skip
     row = cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)
     assert row.rows == 16 and row.onednn_ms > 0
     assert row.weight_mb == pytest.approx(sum(w.numel() for w in plain) * 2 / 1e6)
     if cpu_gemm.available():
-        assert row.kernel == dispatch.linear_path(packed[0], 1)  # the engine that ran, named
+        assert row.kernel == dispatch.Kernels().linear_path(packed[0], 1)  # the engine, named
         assert row.kernel_ms > 0
         assert row.kernel_speedup == pytest.approx(row.onednn_ms / row.kernel_ms)
         assert row.separate_ops_ms > 0 and row.fused_ops_ms > 0
     else:
         assert row.kernel is None and row.kernel_ms is None and row.fused_ops_ms is None
     # Past the engine's limit the model makes the separate calls either way: nothing to compare.
-    big = cpu_kernels.gemm_row(torch, max(cpu_gemm.max_rows(), 1) + 1, plain, packed, iters=1)
+    past = max(cpu_gemm.max_rows(DEFAULT_POLICY), 1) + 1
+    big = cpu_kernels.gemm_row(torch, past, plain, packed, iters=1)
     assert big.separate_ops_ms is None and big.fused_ops_ms is None
 
 
 def test_fused_ops_that_change_the_bits_fail_the_benchmark(monkeypatch):
     if not cpu_gemm.available():
         pytest.skip("no AMX or AVX512-BF16: the fused prologues are not timed on this CPU")
-    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
+    plain, packed = _packed_step_weights()
     real = cpu_gemm.silu_and_mul_linear
-    monkeypatch.setattr(cpu_gemm, "silu_and_mul_linear", lambda x, t, b=None: real(x, t, b) * 2)
-    with pytest.raises(cpu_kernels.KernelMismatch, match="fused norm/gate at 16 rows"):
+    monkeypatch.setattr(
+        cpu_gemm, "silu_and_mul_linear", lambda x, t, b=None, **k: real(x, t, b, **k) * 2
+    )
+    with pytest.raises(KernelMismatch, match="fused norm/gate at 16 rows"):
         cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)
 
 
 def test_a_wrong_projection_kernel_fails_the_benchmark(monkeypatch):
     if not cpu_gemm.available():
         pytest.skip("no AMX or AVX512-BF16: the projection kernel is not timed on this CPU")
-    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
+    plain, packed = _packed_step_weights()
 
-    def zeros(x, tiles, bias=None):
+    def zeros(x, tiles, bias=None, **kwargs):
         return torch.zeros(x.shape[0], tiles.shape[0] * 16, dtype=x.dtype)
 
     monkeypatch.setattr(cpu_gemm, "linear", zeros)
-    with pytest.raises(cpu_kernels.KernelMismatch, match=r"projection \(960, 576\) at 16 rows"):
+    with pytest.raises(KernelMismatch, match=r"projection \(960, 576\) at 16 rows"):
         cpu_kernels.gemm_row(torch, 16, plain, packed, iters=1)
 
 
@@ -188,8 +202,8 @@ def test_decode_sized_rows_also_time_the_tiles_on_2_mib_pages():
     at decode sizes, and only where the kernel and the pages exist."""
     from kvfleet.kernels.cpu import huge_pages
 
-    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
-    tiles = cpu_kernels.huge_page_tiles(packed)
+    plain, packed = _packed_step_weights()
+    tiles = huge_page_tiles(packed)
     if tiles is None:
         assert not (huge_pages.enabled() and cpu_gemm.available())
         pytest.skip("no cpu_gemm tiles or no 2 MiB pages here")
@@ -201,10 +215,10 @@ def test_decode_sized_rows_also_time_the_tiles_on_2_mib_pages():
 
 
 def test_tiles_on_2_mib_pages_that_give_other_bits_fail_the_benchmark():
-    plain, packed = cpu_kernels.gemm_weights(torch, layers=1)
-    tiles = cpu_kernels.huge_page_tiles(packed)
+    plain, packed = _packed_step_weights()
+    tiles = huge_page_tiles(packed)
     if tiles is None:
         pytest.skip("no cpu_gemm tiles or no 2 MiB pages here")
     tiles[0].zero_()
-    with pytest.raises(cpu_kernels.KernelMismatch, match="2 MiB pages at 1 rows"):
+    with pytest.raises(KernelMismatch, match="2 MiB pages at 1 rows"):
         cpu_kernels.gemm_row(torch, 1, plain, packed, iters=1, huge_tiles=tiles)

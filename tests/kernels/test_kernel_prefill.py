@@ -3,7 +3,7 @@
 import pytest
 import torch
 from kernel_cases import TOLERANCE, attention_metadata, paged_case, ragged_lengths
-from kvfleet.kernels import dispatch, reference
+from kvfleet.kernels import reference
 from kvfleet.kernels.triton import triton_prefill
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -57,7 +57,7 @@ def test_prefill_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_mixed_batch_through_dispatch(poison_allocations, triton_backend, dtype):
+def test_mixed_batch_through_dispatch(poison_allocations, triton_kernels, dtype):
     # Decodes first (one token each), then a fresh prompt, a chunk after a cached prefix,
     # and a one-token chunk: one forward step of a continuous-batching engine.
     gen = torch.Generator().manual_seed(11)
@@ -68,7 +68,7 @@ def test_mixed_batch_through_dispatch(poison_allocations, triton_backend, dtype)
     meta = attention_metadata(case, q_lens, 4, block_size)
     query = torch.randn((sum(q_lens), heads, head_dim), generator=gen).to(dtype)
 
-    got = dispatch.paged_attention(query, case.k_cache, case.v_cache, meta, 0.125)
+    got = triton_kernels.paged_attention(query, case.k_cache, case.v_cache, meta, 0.125)
     want = reference.paged_attention(query, case.k_cache, case.v_cache, meta, 0.125)
     assert not got.isnan().any(), "unwritten output elements"
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])

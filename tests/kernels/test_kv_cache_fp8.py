@@ -15,6 +15,7 @@ from kernel_cases import (
 )
 from kvfleet.kernels import reference
 from kvfleet.kernels.cpu import cpu_attention, cpu_cache
+from kvfleet.kernels.policy import DEFAULT_POLICY
 from kvfleet.kernels.triton import triton_decode, triton_prefill
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -48,7 +49,7 @@ def test_c_and_reference_decode_read_fp8_caches_alike(dtype):
     v.copy_(case.v_cache)
     query = torch.randn((len(lens), 6, 64), generator=gen).to(BF16)
     args = (case.block_tables, case.seq_lens, max(lens), 0.125)
-    got = cpu_attention.decode_attention(query, k, v, *args)
+    got = cpu_attention.decode_attention(query, k, v, *args, policy=DEFAULT_POLICY)
     want = reference.decode_attention(query, k, v, *args)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[BF16])
     for i, n in enumerate(lens):  # and both are attention over the stored values
@@ -73,7 +74,9 @@ def test_c_decode_widens_every_fp8_value_exactly(dtype):
     tables = torch.randperm(40, generator=gen)[:28].to(torch.int32).view(4, 7)
     lens = torch.tensor([100, 50, 17, 1], dtype=torch.int32)
     query = torch.randn((4, 9, 64), generator=gen) * 30
-    got = cpu_attention.decode_attention(query, k, v, tables, lens, 100, 0.125)
+    got = cpu_attention.decode_attention(
+        query, k, v, tables, lens, 100, 0.125, policy=DEFAULT_POLICY
+    )
     want = reference.decode_attention(query, k, v, tables, lens, 100, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 

@@ -35,9 +35,9 @@ def one_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     run = cpu_decode_logits.DecodeLogits.run
 
-    def counted(self, input_ids, *args):
+    def counted(self, input_ids, *args, **kwargs):
         calls.append(len(input_ids))
-        return run(self, input_ids, *args)
+        return run(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(cpu_decode_logits.DecodeLogits, "run", counted)
     return calls

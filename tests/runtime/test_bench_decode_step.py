@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.policy import DEFAULT_POLICY
 from kvfleet.runtime.cli import main
 
 
@@ -40,7 +41,6 @@ def test_times_every_path_at_each_batch_size(
         assert r["one_call_speedup_median"] > 0
     printed = capsys.readouterr().out
     assert "speedup" in printed and "one call" in printed
-    assert cpu_decode_step.ENABLED is True  # the command puts its switches back
 
 
 @pytest.mark.parametrize("flags", [["--sequences", "0"], ["--sequences", "a,b"], ["--iters", "0"]])
@@ -54,14 +54,18 @@ def test_bad_flags_are_named(tiny_llama_dir: Path, flags: list[str], capsys):
     "dtype,n",
     [
         ("bfloat16", "past the limit"),
-        ("float32", cpu_gemm_f32.MAX_ROWS + 1),
+        ("float32", DEFAULT_POLICY.f32_gemm_max_rows + 1),
     ],
 )
 def test_batch_sizes_the_fused_call_does_not_take_are_refused(
     dtype: str, n: int | str, tiny_llama_dir: Path, capsys
 ):
     if n == "past the limit":  # of the engine that runs here (AMX's 1024 on an AMX host)
-        n = cpu_gemm.max_rows() + 1 if cpu_gemm.available() else cpu_gemm.MAX_ROWS + 1
+        n = (
+            cpu_gemm.max_rows(DEFAULT_POLICY) + 1
+            if cpu_gemm.available()
+            else DEFAULT_POLICY.amx_gemm_max_rows + 1
+        )
     argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--dtype", dtype]
     assert main([*argv, "--sequences", str(n), "--context", "4", "--iters", "1"]) == 1
     err = capsys.readouterr().err

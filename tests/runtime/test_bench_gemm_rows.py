@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_gemm_f32
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.bench.gemm_rows import PairedForward, parse_candidates
 from kvfleet.runtime.cli import main
 
@@ -19,22 +21,39 @@ def _kernels_on(monkeypatch):
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
 
 
+class _Model:
+    """Stands in for a LlamaModel: a kernel policy it swaps as one does, and a forward that
+    records the value of `limit` (a policy field) it ran under and returns it with `marker`."""
+
+    def __init__(self, limit: str, fails: bool = False) -> None:
+        self.kernels = dispatch.Kernels()
+        self.limit, self.fails = limit, fails
+        self.seen: list[int] = []
+
+    def use_kernel_policy(self, policy: KernelPolicy) -> KernelPolicy:
+        previous = self.kernels.policy
+        self.kernels = dispatch.Kernels(policy)
+        return previous
+
+    def forward(self, input_ids, marker=None):
+        if self.fails:
+            raise RuntimeError("boom")
+        value = getattr(self.kernels.policy, self.limit)
+        self.seen.append(value)
+        return (marker, value)
+
+
 def test_each_compared_step_runs_once_per_candidate_in_rotating_order():
-    seen: list[int] = []
-
-    def forward(input_ids, marker):
-        seen.append(cpu_gemm.MAX_ROWS)
-        return (marker, cpu_gemm.MAX_ROWS)
-
-    default = cpu_gemm.MAX_ROWS
-    paired = PairedForward(forward, [96, 1024, 7])
+    model = _Model("amx_gemm_max_rows")
+    default = DEFAULT_POLICY.amx_gemm_max_rows
+    paired = PairedForward(model, [96, 1024, 7])
     assert paired(torch.zeros(7), "small") == ("small", default)  # not above 7 rows: once
-    assert seen == [default]
-    seen.clear()
+    assert model.seen == [default]
+    model.seen.clear()
     assert paired(torch.zeros(300), "a")[0] == "a"
     assert paired(torch.zeros(300), "b") == ("b", 96)  # the last run's output is the step's
-    assert seen == [96, 1024, 7, 1024, 7, 96]
-    assert default == cpu_gemm.MAX_ROWS
+    assert model.seen == [96, 1024, 7, 1024, 7, 96]
+    assert model.kernels.policy == DEFAULT_POLICY  # its own policy again
     report = paired.report()
     assert report["steps_compared"] == 2 and paired.rows == [300, 300]
     assert set(report["forward_s"]) == {"96", "1024", "7"}
@@ -43,14 +62,11 @@ def test_each_compared_step_runs_once_per_candidate_in_rotating_order():
     assert [(b["rows_from"], b["steps"]) for b in bucket] == [(256, 2)]
 
 
-def test_the_setting_is_restored_when_a_forward_fails():
-    def forward(input_ids):
-        raise RuntimeError("boom")
-
-    default = cpu_gemm.MAX_ROWS
+def test_the_policy_is_restored_when_a_forward_fails():
+    model = _Model("amx_gemm_max_rows", fails=True)
     with pytest.raises(RuntimeError, match="boom"):
-        PairedForward(forward, [0, 5])(torch.zeros(3))
-    assert default == cpu_gemm.MAX_ROWS
+        PairedForward(model, [0, 5])(torch.zeros(3))
+    assert model.kernels.policy == DEFAULT_POLICY
 
 
 @pytest.mark.parametrize("text", ["96", "96,96", "a,b", "-1,5", ""])
@@ -67,10 +83,12 @@ def test_refuses_one_candidate_by_name(tiny_llama_dir: Path, capsys):
 def test_a_run_on_a_tiny_model_reports_every_step(
     bf16_gemm_engine, tiny_llama_dir: Path, tmp_path: Path, capsys
 ):
-    limit = "MAX_ROWS" if bf16_gemm_engine == "AMX" else "VECTOR_MAX_ROWS"
-    out, default = tmp_path / "rows.json", getattr(cpu_gemm, limit)
+    amx = bf16_gemm_engine.name == "AMX"
+    limit = "MAX_ROWS" if amx else "VECTOR_MAX_ROWS"
+    out = tmp_path / "rows.json"
     argv = ["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--dtype", "bfloat16"]
     argv += ["--num-prompts", "3", "--max-model-len", "1024", "--candidates", "0,4096"]
+    argv += ["--allow-amx" if amx else "--no-allow-amx"]  # the engine's policy, as flags
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["candidates"] == [0, 4096] and report["num_prompts"] == 3
@@ -81,22 +99,17 @@ def test_a_run_on_a_tiny_model_reports_every_step(
     assert ratios["all"]["steps"] == report["steps_compared"]
     assert sum(b["steps"] for b in ratios["by_rows"]) == report["steps_compared"]
     assert "median" in capsys.readouterr().out
-    assert default == getattr(cpu_gemm, limit)  # put back
 
 
-def test_pairs_set_the_kernel_module_and_limit_they_are_given():
-    seen: list[int] = []
-    default = cpu_gemm_f32.MAX_ROWS
-    paired = PairedForward(lambda ids: seen.append(cpu_gemm_f32.MAX_ROWS), [3, 48], cpu_gemm_f32)
-    paired(torch.zeros(20))
-    assert seen == [3, 48] and default == cpu_gemm_f32.MAX_ROWS
-    seen.clear()
-    default = cpu_gemm.VECTOR_MAX_ROWS
-    paired = PairedForward(
-        lambda ids: seen.append(cpu_gemm.VECTOR_MAX_ROWS), [0, 16], cpu_gemm, "VECTOR_MAX_ROWS"
-    )
-    paired(torch.zeros(20))
-    assert seen == [0, 16] and default == cpu_gemm.VECTOR_MAX_ROWS
+def test_pairs_set_the_policy_limit_they_are_given():
+    for limit, candidates in (
+        ("f32_gemm_max_rows", [3, 48]),
+        ("avx512_bf16_gemm_max_rows", [0, 16]),
+    ):
+        model = _Model(limit)
+        PairedForward(model, candidates, limit)(torch.zeros(20))
+        assert model.seen == candidates
+        assert model.kernels.policy == DEFAULT_POLICY
 
 
 def test_refuses_a_dtype_with_nothing_to_route(tiny_llama_dir: Path, capsys):
@@ -110,7 +123,7 @@ def test_a_float32_run_routes_the_avx512_kernel(tiny_llama_dir: Path, tmp_path: 
         pytest.skip(
             "no AVX-512 here (tests/kernels/test_cpu_gemm_f32.py asserts where there must be)"
         )
-    out, default = tmp_path / "rows.json", cpu_gemm_f32.MAX_ROWS
+    out, default = tmp_path / "rows.json", DEFAULT_POLICY.f32_gemm_max_rows
     argv = ["bench", "gemm-rows", "--model", str(tiny_llama_dir), "--dtype", "float32"]
     argv += ["--num-prompts", "3", "--max-model-len", "1024", "--json", str(out)]
     assert main(argv) == 0
@@ -120,4 +133,3 @@ def test_a_float32_run_routes_the_avx512_kernel(tiny_llama_dir: Path, tmp_path: 
     assert report["steps_compared"] > 0
     by_rows = report["ratios"][str(default)]["by_rows"]
     assert sum(b["steps"] for b in by_rows) == report["steps_compared"]
-    assert default == cpu_gemm_f32.MAX_ROWS  # put back

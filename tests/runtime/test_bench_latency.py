@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_gemm_f32, huge_pages
+from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32, huge_pages
 from kvfleet.runtime.cli import main
 
 PATHS = {
@@ -98,10 +98,8 @@ def test_bad_flags_are_named(flags, named, tiny_llama_dir, capsys):
 
 def test_library_baseline_times_every_row_with_torchs_gemms(tiny_llama_dir, tmp_path):
     """--baseline library runs each row again with kvfleet's GEMMs off: torch's path, op by op,
-    and the speedup is the ratio of the two medians; the kernels' limits are put back."""
-    from kvfleet.kernels.cpu import cpu_gemm
-
-    limits = (cpu_gemm.MAX_ROWS, cpu_gemm.VECTOR_MAX_ROWS, cpu_gemm_f32.MAX_ROWS)
+    and the speedup is the ratio of the two medians; the default rows keep kvfleet's kernels
+    wherever they run (the baseline's policy is its own)."""
     report = _run(tiny_llama_dir, tmp_path, "--sequences", "1,4", "--baseline", "library")
     assert report["baseline"] == "library"
     for r in report["decode"]:
@@ -116,7 +114,9 @@ def test_library_baseline_times_every_row_with_torchs_gemms(tiny_llama_dir, tmp_
         assert r["speedup_over_baseline"] == pytest.approx(
             r["baseline"]["ttft_median_ms"] / r["ttft_median_ms"]
         )
-    assert limits == (cpu_gemm.MAX_ROWS, cpu_gemm.VECTOR_MAX_ROWS, cpu_gemm_f32.MAX_ROWS)
+    kvfleet_gemm = {"float32": cpu_gemm_f32.available(), "bfloat16": cpu_gemm.available()}
+    if kvfleet_gemm.get(report["dtype"], False):  # the default rows ran kvfleet's GEMM
+        assert all(r["gemm_path"] != dispatch.PATH_TORCH for r in report["decode"])
 
 
 def test_two_call_baseline_times_decode_rows_without_the_one_call(

@@ -1,12 +1,13 @@
 """Decode steps through the CUDA-graph buffers: buckets, padding and the frozen split choice.
 
 Capture itself needs a GPU; here the same buffers and padded batches run eagerly through the
-Triton kernels (interpreted on CPU), which is what a replay computes."""
+Triton kernels (an engine whose kernel policy's backend is Triton; interpreted on CPU), which is
+what a replay computes."""
 
 import numpy as np
 import pytest
 import torch
-from kvfleet.kernels import dispatch
+from kvfleet.kernels.policy import KernelPolicy
 from kvfleet.runtime.engine import decode_graphs
 from kvfleet.runtime.engine.decode_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
 
@@ -39,26 +40,22 @@ def _generate(model: str, graphs: bool, monkeypatch) -> tuple[list[list[int]], l
     from kvfleet.runtime import LLM, SamplingParams
 
     ran: list[int] = []
-    previous = dispatch.get_backend()
-    dispatch.set_backend("triton")
-    try:
-        # 1024 tokens of capacity: buckets below 64 sequences take the split-K path.
-        llm = LLM(model=model, dtype="float32", max_model_len=1024, block_size=8)
-        if graphs:
-            runner = llm.engine.runner
-            runner.graphs = DecodeGraphs(
-                runner.model, runner.kv_caches, 8, 1024, 8, runner.device, capture=False
-            )
-            real_run = runner.graphs.run
+    # 1024 tokens of capacity: buckets below 64 sequences take the split-K path.
+    triton = KernelPolicy(backend="triton")
+    llm = LLM(model=model, dtype="float32", max_model_len=1024, block_size=8, kernel_policy=triton)
+    if graphs:
+        runner = llm.engine.runner
+        runner.graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, 8, 1024, 8, runner.device, capture=False
+        )
+        real_run = runner.graphs.run
 
-            def counting_run(input_ids, *args):
-                ran.append(len(input_ids))
-                return real_run(input_ids, *args)
+        def counting_run(input_ids, *args):
+            ran.append(len(input_ids))
+            return real_run(input_ids, *args)
 
-            monkeypatch.setattr(runner.graphs, "run", counting_run)
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
-    finally:
-        dispatch.set_backend(previous)
+        monkeypatch.setattr(runner.graphs, "run", counting_run)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
     return [list(o.outputs[0].token_ids) for o in outs], ran
 
 

@@ -1,16 +1,19 @@
 """The one-call CPU decode step (kernels/cpu/cpu_decode_logits.py: token ids to logits in one C
 call) gives the two-call path's logits (the model's forward, then compute_logits) to the bit and
 writes the same cache bytes; the engine takes it for decode-only steps, with the same tokens and
-log-probabilities as without it; a token id outside the vocabulary is refused by name."""
+log-probabilities as an engine whose kernel policy turns it off; a token id outside the
+vocabulary is refused by name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_decode_logits, cpu_decode_step, cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.cpu import cpu_decode_logits, cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.models.llama import LlamaModel
@@ -20,18 +23,21 @@ from paged_decoder import Decoder
 BF16 = torch.bfloat16
 
 
+# The engine's kernel policy with the one call off: decode steps in two calls.
+TWO_CALLS = KernelPolicy(one_call_max_rows=0)
+
+
 @pytest.fixture(autouse=True)
 def _kernels_on(monkeypatch):
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
 
 
-def _model(folder: Path, dtype: torch.dtype) -> LlamaModel:
+def _model(folder: Path, dtype: torch.dtype, policy: KernelPolicy = DEFAULT_POLICY) -> LlamaModel:
     if dtype == BF16 and not cpu_gemm.available():
         pytest.skip("no bf16 GEMM engine here (tests/kernels/test_cpu_gemm.py says which)")
     if dtype == torch.float32 and not cpu_gemm_f32.available():
         pytest.skip("no AVX-512 or AVX2 here (tests/kernels/test_cpu_gemm_f32.py asserts where)")
-    net, _, _ = load_model(str(folder), dtype, "cpu")
+    net, _, _ = load_model(str(folder), dtype, "cpu", policy=policy)
     net.prepack()
     return net
 
@@ -67,7 +73,7 @@ def test_bf16_one_call_logits_match_forward_then_compute_logits(
 ):
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
-    _assert_same_steps(_model(folder, BF16), lengths.tolist(), 4)
+    _assert_same_steps(_model(folder, BF16, bf16_gemm_engine.policy), lengths.tolist(), 4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -87,7 +93,7 @@ def test_a_token_id_outside_the_vocabulary_is_refused_and_writes_no_cache(tiny_l
     vocab = net.embed_tokens.shape[0]
     bad = [3, vocab]
     with pytest.raises(IndexError, match=f"token id is outside \\[0, {vocab}\\)"):
-        one_call.run(bad, [4, 6], [0, 16], [5, 7], [[0], [1]])
+        one_call.run(bad, [4, 6], [0, 16], [5, 7], [[0], [1]], policy=net.kernels.policy)
     for (k1, v1), (k2, v2) in zip(run.kv, before, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
@@ -97,11 +103,11 @@ def test_steps_past_its_rows_or_blocks_or_with_the_fused_step_off_are_not_taken(
     run = Decoder(net, [4, 6, 9, 3])
     one_call = _one_call(net, run, 4)
     blocks = run.tables.shape[1]
-    assert one_call.accepts(4, blocks)
-    assert not one_call.accepts(5, blocks)  # more sequences than its buffers hold
-    assert not one_call.accepts(4, blocks + 1)  # a longer block table
-    cpu_decode_step.ENABLED = False
-    assert not one_call.accepts(4, blocks)
+    policy = net.kernels.policy
+    assert one_call.accepts(4, blocks, policy)
+    assert not one_call.accepts(5, blocks, policy)  # more sequences than its buffers hold
+    assert not one_call.accepts(4, blocks + 1, policy)  # a longer block table
+    assert not one_call.accepts(4, blocks, replace(policy, fused_decode_step=False))
 
 
 def test_no_one_call_without_the_fused_stack(tiny_llama_dir):
@@ -121,9 +127,14 @@ def test_engine_decodes_in_one_call_with_the_two_call_paths_tokens_and_logprobs(
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     results = {}
     for one_call in (True, False):
-        with LLM(str(tiny_llama_dir), dtype=dtype, max_model_len=128, max_num_seqs=4) as llm:
-            if not one_call:
-                llm.engine.runner.one_call_shape = None
+        policy = DEFAULT_POLICY if one_call else TWO_CALLS
+        with LLM(
+            str(tiny_llama_dir),
+            dtype=dtype,
+            max_model_len=128,
+            max_num_seqs=4,
+            kernel_policy=policy,
+        ) as llm:
             results[one_call] = [o.outputs[0] for o in llm.generate(prompts, params)]
         if one_call:
             assert calls and set(calls) == {2}  # both sequences decoded together, in one call
@@ -147,10 +158,13 @@ def test_steps_with_a_one_token_prompt_chunk_keep_the_two_call_path(tiny_llama_d
     options = dict(dtype=dtype, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=2)
     results = {}
     for one_call in (True, False):
-        with LLM(str(tiny_llama_dir), enable_chunked_prefill=True, **options) as llm:
-            if not one_call:
-                llm.engine.runner.one_call_shape = None
-            with caplog.at_level("WARNING"):
-                results[one_call] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        policy = DEFAULT_POLICY if one_call else TWO_CALLS
+        with (
+            LLM(
+                str(tiny_llama_dir), enable_chunked_prefill=True, kernel_policy=policy, **options
+            ) as llm,
+            caplog.at_level("WARNING"),
+        ):
+            results[one_call] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results[True] == results[False]
     assert not [r for r in caplog.records if "sampling" in r.getMessage()]

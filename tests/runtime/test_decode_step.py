@@ -2,16 +2,19 @@
 gives the per-op layer loop's results to the bit, writes the same cache bytes, and is taken
 exactly for the steps it can run: decode-only steps of a bf16 model prepacked for cpu_gemm (on
 each of its engines, AMX and AVX512-BF16, that this CPU runs), or of a float32 model with as
-many sequences as the per-op path runs on the float32 GEMM kernel."""
+many sequences as the per-op path runs on the float32 GEMM kernel. The per-op side is a twin
+model whose kernel policy turns the fused step off, run beside the fused one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.loader import load_model
 from paged_decoder import Decoder
@@ -23,12 +26,17 @@ BF16 = torch.bfloat16
 @pytest.fixture(autouse=True)
 def _kernels_on(monkeypatch):
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
-    monkeypatch.setattr(cpu_decode_step, "ENABLED", True)
 
 
-def _limit_rows(monkeypatch, engine: str, rows: int) -> None:
-    """Make `engine`'s row limit `rows`: past it the per-op path takes oneDNN."""
-    monkeypatch.setattr(cpu_gemm, "MAX_ROWS" if engine == "AMX" else "VECTOR_MAX_ROWS", rows)
+def _per_op(policy: KernelPolicy) -> KernelPolicy:
+    """`policy` with the fused step off: every step op by op."""
+    return replace(policy, fused_decode_step=False)
+
+
+def _limit_rows(policy: KernelPolicy, engine: str, rows: int) -> KernelPolicy:
+    """`policy` with `engine`'s row limit `rows`: past it the per-op path takes oneDNN."""
+    limit = "amx_gemm_max_rows" if engine == "AMX" else "avx512_bf16_gemm_max_rows"
+    return replace(policy, **{limit: rows})
 
 
 def _need_avx512() -> None:
@@ -53,8 +61,8 @@ def tiny_llama_d64(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) 
     )
 
 
-def _prepacked(folder: Path) -> LlamaModel:
-    net, _, _ = load_model(str(folder), BF16, "cpu")
+def _prepacked(folder: Path, policy: KernelPolicy = DEFAULT_POLICY) -> LlamaModel:
+    net, _, _ = load_model(str(folder), BF16, "cpu", policy=policy)
     net.prepack()
     return net
 
@@ -63,9 +71,9 @@ def _count_fused_steps(monkeypatch) -> list[int]:
     calls: list[int] = []
     run = cpu_decode_step.DecodeStack.run
 
-    def counted(self, hidden, positions, meta):
+    def counted(self, hidden, positions, meta, policy):
         calls.append(hidden.shape[0])
-        return run(self, hidden, positions, meta)
+        return run(self, hidden, positions, meta, policy)
 
     monkeypatch.setattr(cpu_decode_step.DecodeStack, "run", counted)
     return calls
@@ -79,15 +87,13 @@ def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
     arch, num_seqs, bf16_gemm_engine, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_d64, monkeypatch
 ):
     folder = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama-d64": tiny_llama_d64}[arch]
-    net = _prepacked(folder)
+    policy = bf16_gemm_engine.policy
     lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
-    fused = Decoder(net, lengths.tolist())
-    per_op = fused.fork()
+    fused = Decoder(_prepacked(folder, policy), lengths.tolist())
+    per_op = fused.fork(_prepacked(folder, _per_op(policy)))
     calls = _count_fused_steps(monkeypatch)
     for _ in range(3):  # the second and third read what the first wrote
-        cpu_decode_step.ENABLED = True
         got = fused.decode()
-        cpu_decode_step.ENABLED = False
         want = per_op.decode()
         assert torch.equal(got, want)
     assert calls == [num_seqs] * 3  # the fused call ran for every decode step of `fused` only
@@ -99,28 +105,27 @@ def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
 def test_fused_decode_steps_match_at_other_block_sizes(
     block_size, bf16_gemm_engine, tiny_llama_d64, monkeypatch
 ):
-    net = _prepacked(tiny_llama_d64)
-    fused = Decoder(net, [3, 40, 17, 64], block_size=block_size)
-    per_op = fused.fork()
+    policy = bf16_gemm_engine.policy
+    fused = Decoder(_prepacked(tiny_llama_d64, policy), [3, 40, 17, 64], block_size=block_size)
+    per_op = fused.fork(_prepacked(tiny_llama_d64, _per_op(policy)))
     calls = _count_fused_steps(monkeypatch)
     for _ in range(2):
-        cpu_decode_step.ENABLED = True
         got = fused.decode()
-        cpu_decode_step.ENABLED = False
         assert torch.equal(got, per_op.decode())
     assert calls == [4, 4]
 
 
 def test_steps_it_cannot_run_keep_the_per_op_loop(bf16_gemm_engine, tiny_llama_dir, monkeypatch):
     """Prefill and mixed steps, and decode steps past the fused call's row limit, go op by op."""
-    net = _prepacked(tiny_llama_dir)
+    policy = bf16_gemm_engine.policy
+    net = _prepacked(tiny_llama_dir, policy)
     calls = _count_fused_steps(monkeypatch)
     run = Decoder(net, [5, 9, 3])  # the prefill step
     run.step([[1], [2], [3, 4]])  # a mixed step
     assert calls == []
     run.decode()
     assert calls == [3]
-    _limit_rows(monkeypatch, bf16_gemm_engine, 2)
+    net.use_kernel_policy(_limit_rows(policy, bf16_gemm_engine.name, 2))
     run.decode()
     assert calls == [3]
 
@@ -130,8 +135,9 @@ def test_no_fused_step_without_prepacked_bf16_weights_or_head_major_caches(tiny_
     float32.prepack()  # float32 weights stay plain
     unpacked, _, _ = load_model(str(tiny_llama_dir), BF16, "cpu")
     shape = (8, 16, cfg.num_kv_heads, cfg.head_dim)
+    kernels = dispatch.Kernels()
     head_major = [
-        dispatch.allocate_kv_cache(*shape, BF16, torch.device("cpu")) for _ in range(cfg.num_layers)
+        kernels.allocate_kv_cache(*shape, BF16, torch.device("cpu")) for _ in range(cfg.num_layers)
     ]
     assert float32.decode_stack_for(head_major) is None
     assert unpacked.decode_stack_for(head_major) is None
@@ -174,30 +180,29 @@ def test_bad_position_or_slot_raises_and_writes_no_cache(dtype, tiny_llama_dir, 
 
 
 def test_hidden_states_of_the_wrong_shape_or_dtype_are_refused(bf16_gemm_engine, tiny_llama_dir):
-    net = _prepacked(tiny_llama_dir)
+    net = _prepacked(tiny_llama_dir, bf16_gemm_engine.policy)
     run = Decoder(net, [4, 6])
     stack = net.decode_stack_for(run.kv)
     hidden = torch.zeros(2, net.config.hidden_size)  # float32, not the model's bf16
     with pytest.raises(ValueError, match=f"contiguous bf16 \\[2, {net.config.hidden_size}\\]"):
-        stack.run(hidden, torch.tensor([4, 6]), None)
+        stack.run(hidden, torch.tensor([4, 6]), None, net.kernels.policy)
 
 
-def _float32(folder: Path) -> LlamaModel:
-    net, _, _ = load_model(str(folder), torch.float32, "cpu")
+def _float32(folder: Path, policy: KernelPolicy = DEFAULT_POLICY) -> LlamaModel:
+    net, _, _ = load_model(str(folder), torch.float32, "cpu", policy=policy)
     net.prepack()  # float32 weights stay plain
     return net
 
 
-def _match_per_op(net: LlamaModel, lengths: list[int], steps: int, monkeypatch) -> list[int]:
-    """Decode `steps` times fused and per-op from the same state; assert the same hidden states
-    and cache bytes, and return the row counts the fused call ran."""
-    fused = Decoder(net, lengths)
-    per_op = fused.fork()
+def _match_per_op(folder: Path, lengths: list[int], steps: int, monkeypatch) -> list[int]:
+    """Decode `steps` times from the same state on the float32 model of `folder` with the fused
+    step and on a twin with it off; assert the same hidden states and cache bytes, and return
+    the row counts the fused call ran."""
+    fused = Decoder(_float32(folder), lengths)
+    per_op = fused.fork(_float32(folder, _per_op(DEFAULT_POLICY)))
     calls = _count_fused_steps(monkeypatch)
     for _ in range(steps):  # later steps read what the first wrote
-        cpu_decode_step.ENABLED = True
         got = fused.decode()
-        cpu_decode_step.ENABLED = False
         assert torch.equal(got, per_op.decode())
     for (k1, v1), (k2, v2) in zip(fused.kv, per_op.kv, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -207,14 +212,14 @@ def _match_per_op(net: LlamaModel, lengths: list[int], steps: int, monkeypatch) 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-d64"])  # untied; biases; head_dim 64
 # The fewest rows it takes and a dot-form GEMM; rows in lanes with a partial row vector; the
 # most rows it takes.
-@pytest.mark.parametrize("num_seqs", [cpu_gemm_f32.MIN_ROWS, 37, cpu_gemm_f32.MAX_ROWS])
+@pytest.mark.parametrize("num_seqs", [cpu_gemm_f32.MIN_ROWS, 37, DEFAULT_POLICY.f32_gemm_max_rows])
 def test_float32_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
     arch, num_seqs, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_d64, monkeypatch
 ):
     _need_avx512()
     folder = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama-d64": tiny_llama_d64}[arch]
     lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(5))
-    calls = _match_per_op(_float32(folder), lengths.tolist(), 3, monkeypatch)
+    calls = _match_per_op(folder, lengths.tolist(), 3, monkeypatch)
     assert calls == [num_seqs] * 3
 
 
@@ -234,7 +239,7 @@ def test_float32_fused_decode_steps_built_for_avx2_match_the_per_op_loop(
     try:
         assert cpu_gemm_f32.lanes() == 8 and cpu_gemm_f32.min_rows() == 1
         lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(7))
-        calls = _match_per_op(_float32(tiny_llama_dir), lengths.tolist(), 3, monkeypatch)
+        calls = _match_per_op(tiny_llama_dir, lengths.tolist(), 3, monkeypatch)
         assert calls == [num_seqs] * 3
     finally:
         cpu_library.library.cache_clear()
@@ -243,14 +248,14 @@ def test_float32_fused_decode_steps_built_for_avx2_match_the_per_op_loop(
 def test_float32_steps_outside_the_gemm_kernels_rows_keep_the_per_op_loop(
     tiny_llama_dir, monkeypatch
 ):
-    """Below min_rows() and above MAX_ROWS the per-op path multiplies on MKL, so the fused call
-    (whose GEMM is cpu_gemm_f32) stays out to keep the bits the same; prefills too."""
+    """Below min_rows() and above the policy's f32_gemm_max_rows the per-op path multiplies on
+    MKL, so the fused call (whose GEMM is cpu_gemm_f32) stays out to keep the bits the same;
+    prefills too."""
     _need_avx512()
-    net = _float32(tiny_llama_dir)
-    lo, hi = cpu_gemm_f32.min_rows(), cpu_gemm_f32.MAX_ROWS
+    lo, hi = cpu_gemm_f32.min_rows(), DEFAULT_POLICY.f32_gemm_max_rows
     if lo > 1:
-        assert _match_per_op(net, [5] * (lo - 1), 1, monkeypatch) == []
-    assert _match_per_op(net, [5] * (hi + 1), 1, monkeypatch) == []
+        assert _match_per_op(tiny_llama_dir, [5] * (lo - 1), 1, monkeypatch) == []
+    assert _match_per_op(tiny_llama_dir, [5] * (hi + 1), 1, monkeypatch) == []
 
 
 def test_float32_stack_needs_float32_head_major_caches(tiny_llama_dir):
@@ -259,10 +264,9 @@ def test_float32_stack_needs_float32_head_major_caches(tiny_llama_dir):
     cfg = net.config
     shape = (8, 16, cfg.num_kv_heads, cfg.head_dim)
     cpu = torch.device("cpu")
-    float32 = [
-        dispatch.allocate_kv_cache(*shape, torch.float32, cpu) for _ in range(cfg.num_layers)
-    ]
-    bf16 = [dispatch.allocate_kv_cache(*shape, BF16, cpu) for _ in range(cfg.num_layers)]
+    kernels = net.kernels
+    float32 = [kernels.allocate_kv_cache(*shape, torch.float32, cpu) for _ in range(cfg.num_layers)]
+    bf16 = [kernels.allocate_kv_cache(*shape, BF16, cpu) for _ in range(cfg.num_layers)]
     contiguous = [(torch.zeros(shape), torch.zeros(shape))] * cfg.num_layers
     assert net.decode_stack_for(float32) is not None
     assert net.decode_stack_for(bf16) is None
@@ -276,4 +280,4 @@ def test_float32_hidden_states_of_the_wrong_dtype_are_refused(tiny_llama_dir):
     stack = net.decode_stack_for(run.kv)
     hidden = torch.zeros(4, net.config.hidden_size, dtype=BF16)
     with pytest.raises(ValueError, match=f"contiguous float32 \\[4, {net.config.hidden_size}\\]"):
-        stack.run(hidden, torch.tensor([4, 6, 1, 2]), None)
+        stack.run(hidden, torch.tensor([4, 6, 1, 2]), None, net.kernels.policy)

@@ -34,8 +34,10 @@ def test_a_prepacked_cpu_model_streams_weights_from_huge_pages(dtype, folder, re
 
 
 def test_cpu_kv_caches_are_zeroed_on_huge_pages(tiny_llama_dir):
-    _, cfg, _ = load_model(str(tiny_llama_dir), torch.float32, "cpu")
-    caches = allocate_kv_caches(cfg, cfg.num_kv_heads, 8, 16, torch.bfloat16, torch.device("cpu"))
+    net, cfg, _ = load_model(str(tiny_llama_dir), torch.float32, "cpu")
+    caches = allocate_kv_caches(
+        cfg, cfg.num_kv_heads, 8, 16, torch.bfloat16, torch.device("cpu"), net.kernels
+    )
     assert len(caches) == cfg.num_layers
     for k, v in caches:
         assert k.shape == (8, 16, cfg.num_kv_heads, cfg.head_dim)

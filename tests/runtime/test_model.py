@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from bf16_engines import force_bf16_engine
+from bf16_engines import bf16_engine
 from kvfleet.kernels.cpu import cpu_gemm, cpu_linear
 from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.kernels.policy import KernelPolicy
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.loader import load_model
 from tiny_models import make_tiny_model
@@ -211,13 +212,12 @@ def test_prepacked_bfloat16_model_gives_the_same_logits(
     (decode-sized steps) sum in another order: the same logits up to bf16 rounding."""
     monkeypatch.delenv("KVFLEET_CPU_KERNELS", raising=False)
     if gemm == "onednn":
-        monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)
-        monkeypatch.setattr(cpu_gemm, "VECTOR_MAX_ROWS", 0)
+        policy = KernelPolicy(amx_gemm_max_rows=0, avx512_bf16_gemm_max_rows=0)
     else:
-        force_bf16_engine(monkeypatch, gemm)
+        policy = bf16_engine(monkeypatch, gemm).policy
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
-    plain, cfg, _ = load_model(str(folder), torch.bfloat16, "cpu")
-    packed, _, _ = load_model(str(folder), torch.bfloat16, "cpu")
+    plain, cfg, _ = load_model(str(folder), torch.bfloat16, "cpu", policy=policy)
+    packed, _, _ = load_model(str(folder), torch.bfloat16, "cpu", policy=policy)
     packed.prepack()
     names = {name for name, _ in packed.named_parameters()}
     # The packed weights replaced the parameters (their plain copies are freed); the
