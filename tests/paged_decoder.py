@@ -33,6 +33,9 @@ class Decoder:
         self.tables = pool[: len(lengths) * per_seq].reshape(len(lengths), per_seq).to(torch.int32)
         self.lens = [0] * len(lengths)
         self.gen = gen
+        # The fused decode step over these caches, as the model runner builds it (None where
+        # the model's kernels offer none): decode steps through `forward` take it.
+        self.stack = net.build_decode_stack(self.kv)
         self.step([torch.randint(0, 1000, (n,), generator=gen).tolist() for n in lengths])
 
     def step(self, chunks: list[list[int]]) -> torch.Tensor:
@@ -61,7 +64,7 @@ class Decoder:
             seq_lens_host=list(self.lens),
         )
         with torch.inference_mode():
-            return self.net(torch.tensor(ids), torch.tensor(positions), self.kv, meta)
+            return self.net(torch.tensor(ids), torch.tensor(positions), self.kv, meta, self.stack)
 
     def fork(self, net: LlamaModel | None = None) -> Decoder:
         """A copy with the same cache bytes, tables and token stream, on `net` (a model with
@@ -69,6 +72,7 @@ class Decoder:
         twin = copy.copy(self)
         twin.net = net if net is not None else self.net
         twin.kv = [(k.clone(), v.clone()) for k, v in self.kv]
+        twin.stack = twin.net.build_decode_stack(twin.kv)
         twin.lens, twin.tables = list(self.lens), self.tables.clone()
         twin.gen = torch.Generator().set_state(self.gen.get_state())
         return twin

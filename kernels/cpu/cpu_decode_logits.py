@@ -68,9 +68,10 @@ class DecodeLogits:
     def accepts(self, rows: int, max_blocks: int, policy: KernelPolicy) -> bool:
         """Whether a decode-only step of `rows` sequences, the longest holding `max_blocks`
         blocks, runs here under `policy`: the fused step allowed, the rows the fused stack
-        takes, within the buffers."""
+        takes, no more than the policy's one-call rows, within the buffers."""
         return (
             policy.fused_decode_step
+            and rows <= policy.one_call_max_rows
             and self.stack.takes_rows(rows, policy)
             and rows <= self.max_rows
             and max_blocks <= self.max_blocks

@@ -117,11 +117,15 @@ class _Batch:
         self.lists = (
             self.ids.tolist(), self.positions.tolist(), slots.tolist(), lens, tables.tolist(),
         )  # fmt: skip
-        self.one_call = net.decode_logits_for(self.kv, sequences, per_seq)
+        stack = net.build_decode_stack(self.kv)
+        self.stack = stack
+        self.one_call = (
+            None if stack is None else net.build_decode_logits(stack, sequences, per_seq)
+        )
 
     def step(self):
         """The step's final hidden states and logits (K/V rewritten to the same slots)."""
-        hidden = self.net(self.ids, self.positions, self.kv, self.meta)
+        hidden = self.net(self.ids, self.positions, self.kv, self.meta, self.stack)
         return hidden, self.net.compute_logits(hidden)
 
     def step_one_call(self):

@@ -156,7 +156,7 @@ class _Probe:
         self.engine, self.times = engine, _StepTimes()
         model = engine.model
         self._forward, self._logits = model.forward, model.compute_logits
-        self._stack = model.decode_stack_for(engine.runner.kv_caches)
+        self._stack = engine.runner.stack
         self._graphs = engine.runner.graphs
         times = self.times
         sync = _synchronizer(engine.device)
@@ -185,7 +185,7 @@ class _Probe:
         fused = self._stack if self._stack is not None else self._graphs
         if fused is not None:
             fused.run = counted(timed(fused.run, times.forward) if self._graphs else fused.run)
-        one_call = engine.runner.one_call_step()
+        one_call = engine.runner.one_call
         if one_call is not None:
             one_call.run = counted(timed(one_call.run, times.forward))
         self._wrapped = [w for w in (fused, one_call) if w is not None]

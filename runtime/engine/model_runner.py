@@ -18,6 +18,7 @@ from kvfleet.runtime.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvfleet.kernels.cpu.cpu_decode_logits import DecodeLogits
+    from kvfleet.kernels.cpu.cpu_decode_step import DecodeStack
 
 # Prompt logprobs turn hidden rows into full-vocabulary logits; this many at a time bounds the
 # memory that costs (a long prompt chunk times a large vocabulary would not fit otherwise).
@@ -79,9 +80,10 @@ def forward_step(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     inputs: StepInputs,
     device: torch.device,
+    stack: DecodeStack | None = None,
 ) -> torch.Tensor:
     """The model's final hidden states [T, hidden] for the step's tokens (K/V written to
-    `kv_caches`)."""
+    `kv_caches`), through the fused decode `stack` where it takes the step."""
     qsl = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
     np.cumsum(inputs.query_lens, out=qsl[1:])
     meta = AttentionMetadata(
@@ -100,6 +102,7 @@ def forward_step(
         torch.tensor(inputs.positions, dtype=torch.long, device=device),
         kv_caches,
         meta,
+        stack,
     )
 
 
@@ -159,23 +162,30 @@ class ModelRunner:
             device,
             model.kernels,
         )
+        # How steps run is chosen here, once, for these caches: on a GPU decode-only steps
+        # replay CUDA graphs; on CPU decode steps run the fused decoder stack in one C call,
+        # and decode-only steps of up to `one_call_max_rows` sequences go from token ids to
+        # logits in one call over it (cpu_decode_logits: the same bits, without the torch
+        # calls around the stack, which run from cold caches after it); everything else, and
+        # every tensor-parallel step, runs op by op. Each step still asks the path whether it
+        # takes it under the model's current kernel policy (a benchmark may swap it).
         self.graphs: DecodeGraphs | None = None
         if graph_max_batch:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
                     model, self.kv_caches, graph_max_batch, max_model_len, kv.block_size, device
                 )
-        # On CPU a decode-only step goes from token ids to logits in one C call where the
-        # model offers one (cpu_decode_logits: the same bits, without the torch calls around
-        # the fused stack, which run from cold caches after it). Not for tensor parallelism.
-        # Its buffers hold the most blocks a sequence may have (0: no such step here) and the
-        # most sequences a step may have, up to the policy's `one_call_max_rows`.
-        self._max_num_seqs = max_num_seqs
-        self._one_call_blocks = (
-            -(-max_model_len // kv.block_size)
-            if device.type == "cpu" and workers is None and max_num_seqs and max_model_len
-            else 0
+        build_stack = getattr(model, "build_decode_stack", None)
+        self.stack: DecodeStack | None = (
+            build_stack(self.kv_caches)
+            if build_stack is not None and device.type == "cpu" and workers is None
+            else None
         )
+        rows = min(max_num_seqs, model.kernels.policy.one_call_max_rows)
+        self.one_call: DecodeLogits | None = None
+        if self.stack is not None and rows > 0 and max_model_len:
+            max_blocks = -(-max_model_len // kv.block_size)
+            self.one_call = model.build_decode_logits(self.stack, rows, max_blocks)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -228,7 +238,7 @@ class ModelRunner:
         # One token per sequence, every one sampled (a one-token chunk inside a prompt is not,
         # and its row would have logits no request takes), no prompt logprobs.
         one_row_each = num_decodes == len(order) == len(sample_rows) and not prompt_spans
-        one_call = self.one_call_step() if one_row_each else None
+        one_call = self.one_call if one_row_each else None
         policy = self.model.kernels.policy
         if one_call is not None and one_call.accepts(num_decodes, max_blocks, policy):
             greedy = all(r.params.greedy for r in sample_rows)
@@ -255,7 +265,7 @@ class ModelRunner:
         if graphs is not None and graphs.accepts(len(seq_lens), num_decodes, max_blocks):
             hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
         else:
-            hidden = forward_step(self.model, self.kv_caches, inputs, self.device)
+            hidden = forward_step(self.model, self.kv_caches, inputs, self.device, self.stack)
         calls = iter(inputs.logit_rows)
 
         def next_logits() -> torch.Tensor:
@@ -267,18 +277,6 @@ class ModelRunner:
             return StepLogits([], torch.empty(0), prompt_logprobs)
         logits = next_logits()
         return StepLogits(sample_rows, logits, prompt_logprobs)
-
-    def one_call_step(self) -> DecodeLogits | None:
-        """The model's one-call CPU decode step (`decode_logits_for`) for this runner's
-        caches and step sizes under the model's kernel policy, or None where there is none
-        (the policy's `one_call_max_rows` 0 among the reasons)."""
-        rows = min(self._max_num_seqs, self.model.kernels.policy.one_call_max_rows)
-        if rows < 1 or not self._one_call_blocks:
-            return None
-        decode_logits_for = getattr(self.model, "decode_logits_for", None)
-        if decode_logits_for is None:
-            return None
-        return decode_logits_for(self.kv_caches, rows, self._one_call_blocks)
 
     def _prompt_logprobs(
         self, next_logits: Callable[[], torch.Tensor], span: _PromptSpan

@@ -161,13 +161,6 @@ class LlamaModel(nn.Module):
             else _param(vocab, h, dtype=dtype, device=device)
         )
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
-        # The fused decode step for the caches it was built for (`decode_stack_for`).
-        self._stack_caches: list | None = None
-        self._stack: cpu_decode_step.DecodeStack | None = None
-        # The one-call step from token ids to logits over that stack (`decode_logits_for`),
-        # and the (stack, max_rows, max_blocks) it was built for.
-        self._one_call: cpu_decode_logits.DecodeLogits | None = None
-        self._one_call_key: tuple | None = None
 
     def use_kernel_policy(self, policy: KernelPolicy) -> KernelPolicy:
         """Run every later op under `policy` instead; returns the policy it replaces. For
@@ -195,59 +188,48 @@ class LlamaModel(nn.Module):
             for name in PROJECTIONS:
                 _prepack(layer, name, arena)
         _prepack(self, "lm_head", arena)
-        # Weights moved: build the fused steps afresh.
-        self._stack_caches = self._stack = self._one_call = self._one_call_key = None
 
-    def decode_stack_for(
+    def build_decode_stack(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> cpu_decode_step.DecodeStack | None:
-        """The fused decode step over these caches where the kernels offer one (built on the
-        first step that brings them: the engine passes the same list every step). Not for a
-        tensor-parallel shard: the fused step has no place for the all-reduces, so a shard
-        runs op by op."""
+        """The fused decode step over these caches where the kernels offer one, else None.
+        Not for a tensor-parallel shard: the fused step has no place for the all-reduces, so
+        a shard runs op by op. Build it after `prepack` (it reads the packed weights); the
+        model runner builds it once, for its caches."""
         if self.tp is not None:
             return None
-        if kv_caches is not self._stack_caches:
-            cfg = self.config
-            layers = [
-                cpu_decode_step.LayerWeights(
-                    layer.input_layernorm,
-                    layer.qkv_proj,
-                    layer.qkv_bias,
-                    layer.o_proj,
-                    layer.post_attention_layernorm,
-                    layer.gate_up_proj,
-                    layer.down_proj,
-                )
-                for layer in self.layers
-            ]
-            shape = cpu_decode_step.StackShape(
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.intermediate_size,
-                cfg.rms_norm_eps,
-                self.layers[0].scale,
+        cfg = self.config
+        layers = [
+            cpu_decode_step.LayerWeights(
+                layer.input_layernorm,
+                layer.qkv_proj,
+                layer.qkv_bias,
+                layer.o_proj,
+                layer.post_attention_layernorm,
+                layer.gate_up_proj,
+                layer.down_proj,
             )
-            self._stack = self.kernels.decode_stack(layers, kv_caches, self.cos_sin_cache, shape)
-            self._stack_caches = kv_caches
-        return self._stack
+            for layer in self.layers
+        ]
+        shape = cpu_decode_step.StackShape(
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            self.layers[0].scale,
+        )
+        return self.kernels.decode_stack(layers, kv_caches, self.cos_sin_cache, shape)
 
-    def decode_logits_for(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, max_blocks: int
+    def build_decode_logits(
+        self, stack: cpu_decode_step.DecodeStack, max_rows: int, max_blocks: int
     ) -> cpu_decode_logits.DecodeLogits | None:
         """The one-call decode step from token ids to logits (`forward` then `compute_logits`
-        for a decode-only step, the same bits) over these caches, for steps of up to `max_rows`
-        sequences of up to `max_blocks` blocks; None where the fused stack does not apply."""
-        stack = self.decode_stack_for(kv_caches)
-        if stack is None:
-            return None
-        if self._one_call_key != (stack, max_rows, max_blocks):
-            self._one_call_key = (stack, max_rows, max_blocks)
-            self._one_call = cpu_decode_logits.build(
-                stack, self.embed_tokens, self.norm, self.lm_head, max_rows, max_blocks
-            )
-        return self._one_call
+        for a decode-only step, the same bits) over `stack`, for steps of up to `max_rows`
+        sequences of up to `max_blocks` blocks; None where it does not apply."""
+        return cpu_decode_logits.build(
+            stack, self.embed_tokens, self.norm, self.lm_head, max_rows, max_blocks
+        )
 
     def forward(
         self,
@@ -255,12 +237,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        stack: cpu_decode_step.DecodeStack | None = None,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
-        decodes first, as `meta` describes); K/V of every token is written to `kv_caches`."""
+        decodes first, as `meta` describes); K/V of every token is written to `kv_caches`.
+        `stack`: the fused decode step over these caches (`build_decode_stack`), used for the
+        steps it takes."""
         kernels = self.kernels
         hidden = self._embed(input_ids)
-        stack = self.decode_stack_for(kv_caches)
         if stack is not None and stack.accepts(meta, hidden.shape[0], kernels.policy):
             # The same six kernels per layer as below, in one call (cpu_decode_step).
             hidden, residual = stack.run(hidden, positions, meta, kernels.policy)

@@ -43,7 +43,9 @@ def _model(folder: Path, dtype: torch.dtype, policy: KernelPolicy = DEFAULT_POLI
 
 
 def _one_call(net: LlamaModel, run: Decoder, rows: int) -> cpu_decode_logits.DecodeLogits:
-    one_call = net.decode_logits_for(run.kv, rows, run.tables.shape[1])
+    stack = net.build_decode_stack(run.kv)
+    assert stack is not None
+    one_call = net.build_decode_logits(stack, rows, run.tables.shape[1])
     assert one_call is not None
     return one_call
 
@@ -113,7 +115,7 @@ def test_steps_past_its_rows_or_blocks_or_with_the_fused_step_off_are_not_taken(
 def test_no_one_call_without_the_fused_stack(tiny_llama_dir):
     unpacked, _, _ = load_model(str(tiny_llama_dir), BF16, "cpu")  # not prepacked
     run = Decoder(unpacked, [3])
-    assert unpacked.decode_logits_for(run.kv, 1, run.tables.shape[1]) is None
+    assert unpacked.build_decode_stack(run.kv) is None  # so no one-call step is built over it
 
 
 def test_engine_decodes_in_one_call_with_the_two_call_paths_tokens_and_logprobs(

@@ -139,15 +139,15 @@ def test_no_fused_step_without_prepacked_bf16_weights_or_head_major_caches(tiny_
     head_major = [
         kernels.allocate_kv_cache(*shape, BF16, torch.device("cpu")) for _ in range(cfg.num_layers)
     ]
-    assert float32.decode_stack_for(head_major) is None
-    assert unpacked.decode_stack_for(head_major) is None
+    assert float32.build_decode_stack(head_major) is None
+    assert unpacked.build_decode_stack(head_major) is None
     if cpu_gemm.available():
         packed = _prepacked(tiny_llama_dir)
         contiguous = [(torch.zeros(shape, dtype=BF16), torch.zeros(shape, dtype=BF16))] * len(
             head_major
         )
-        assert packed.decode_stack_for(contiguous) is None
-        assert packed.decode_stack_for(head_major) is not None
+        assert packed.build_decode_stack(contiguous) is None
+        assert packed.build_decode_stack(head_major) is not None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -182,7 +182,7 @@ def test_bad_position_or_slot_raises_and_writes_no_cache(dtype, tiny_llama_dir, 
 def test_hidden_states_of_the_wrong_shape_or_dtype_are_refused(bf16_gemm_engine, tiny_llama_dir):
     net = _prepacked(tiny_llama_dir, bf16_gemm_engine.policy)
     run = Decoder(net, [4, 6])
-    stack = net.decode_stack_for(run.kv)
+    stack = net.build_decode_stack(run.kv)
     hidden = torch.zeros(2, net.config.hidden_size)  # float32, not the model's bf16
     with pytest.raises(ValueError, match=f"contiguous bf16 \\[2, {net.config.hidden_size}\\]"):
         stack.run(hidden, torch.tensor([4, 6]), None, net.kernels.policy)
@@ -268,16 +268,16 @@ def test_float32_stack_needs_float32_head_major_caches(tiny_llama_dir):
     float32 = [kernels.allocate_kv_cache(*shape, torch.float32, cpu) for _ in range(cfg.num_layers)]
     bf16 = [kernels.allocate_kv_cache(*shape, BF16, cpu) for _ in range(cfg.num_layers)]
     contiguous = [(torch.zeros(shape), torch.zeros(shape))] * cfg.num_layers
-    assert net.decode_stack_for(float32) is not None
-    assert net.decode_stack_for(bf16) is None
-    assert net.decode_stack_for(contiguous) is None
+    assert net.build_decode_stack(float32) is not None
+    assert net.build_decode_stack(bf16) is None
+    assert net.build_decode_stack(contiguous) is None
 
 
 def test_float32_hidden_states_of_the_wrong_dtype_are_refused(tiny_llama_dir):
     _need_avx512()
     net = _float32(tiny_llama_dir)
     run = Decoder(net, [4, 6, 1, 2])
-    stack = net.decode_stack_for(run.kv)
+    stack = net.build_decode_stack(run.kv)
     hidden = torch.zeros(4, net.config.hidden_size, dtype=BF16)
     with pytest.raises(ValueError, match=f"contiguous float32 \\[4, {net.config.hidden_size}\\]"):
         stack.run(hidden, torch.tensor([4, 6, 1, 2]), None, net.kernels.policy)

@@ -56,7 +56,7 @@ def test_the_engines_model_and_runner_run_the_configs_policy(tiny_llama_dir):
     policy = KernelPolicy(backend="torch", one_call_max_rows=0)
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, kernel_policy=policy)
     assert llm.engine.model.kernels.policy is policy
-    assert llm.engine.runner.one_call_step() is None  # its one-call rows are 0
+    assert llm.engine.runner.one_call is None  # its one-call rows are 0
 
 
 def test_tensor_parallel_workers_are_given_the_engines_policy(monkeypatch):
