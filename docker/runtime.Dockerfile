@@ -34,6 +34,8 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
         "accelerate>=1.0" \
         "aiohttp>=3.10,<4" \
         "prometheus-client>=0.20" \
+        "pyzmq>=25" \
+        "msgspec>=0.18" \
         "numpy>=1.26" \
         "pyyaml>=6" \
         "triton>=3.2" \

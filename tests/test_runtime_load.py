@@ -11,7 +11,7 @@ from kvfleet.runtime_load import MetricsParseError, parse_runtime_metrics
 
 
 def runtime_page(cache: dict[str, str] | None) -> str:
-    from kvfleet.runtime.engine.async_engine import EngineStats
+    from kvfleet.runtime.engine.core_messages import EngineStats
     from kvfleet.runtime.server.metrics import RuntimeMetrics
 
     stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25)
@@ -47,7 +47,7 @@ def test_a_page_without_the_load_gauges_is_refused():
 
 def test_finished_requests_are_summed_over_finish_reasons():
     # Scale to zero's idle clock: requests that finished between two polls move this count.
-    from kvfleet.runtime.engine.async_engine import EngineStats
+    from kvfleet.runtime.engine.core_messages import EngineStats
     from kvfleet.runtime.server.metrics import RuntimeMetrics
 
     stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)

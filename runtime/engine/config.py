@@ -79,6 +79,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Most prompt tokens one request computes in a step (0: up to the whole step budget).
     long_prefill_token_threshold: int = 0
+    # While requests decode, a step carrying prompt tokens may take at most this many times
+    # their decode-only step, by measured step times (0: off, prompts take the whole budget).
+    # Off by default: on a 2-core AVX2 host it cut the long-prompt scenario's ITL p99 3.4x but
+    # halved its throughput (docs/benchmarks.md, "Serving").
+    max_step_time_ratio: float = 0.0
     seed: int = 0
     served_model_name: str | None = None
     num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
@@ -127,6 +132,11 @@ class EngineConfig:
             raise ConfigError(
                 "long_prefill_token_threshold: must be >= 0 (0: no cap), got "
                 f"{self.long_prefill_token_threshold}"
+            )
+        if self.max_step_time_ratio != 0 and not 1.0 < self.max_step_time_ratio <= 100.0:
+            raise ConfigError(
+                "max_step_time_ratio: must be 0 (off) or in (1, 100], got "
+                f"{self.max_step_time_ratio}"
             )
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
@@ -226,6 +236,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="most prompt tokens one request computes in a step, so that prompts behind a "
         "long one share the step instead of waiting for its whole prefill (0: no cap beyond "
         "--max-num-batched-tokens; only with chunked prefill)",
+    )
+    g.add_argument(
+        "--max-step-time-ratio",
+        type=float,
+        default=d.max_step_time_ratio,
+        help="while requests decode, a step that also computes prompt tokens may take at most "
+        "this many times their decode-only step: prompts get the share of the step that the "
+        "measured step times allow, so streams keep flowing while long prompts arrive, at a "
+        "cost in time to first token and throughput (e.g. 2.5; 0, the default: prompts take "
+        "the whole --max-num-batched-tokens; only with chunked prefill)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
     g.add_argument(

@@ -10,14 +10,17 @@ A step is filled in three passes:
 
 A prompt's share of one step is at most `long_prefill_token_threshold` tokens (0: the whole
 budget), so several prompts can be part-way through their prefill at once and a short prompt
-that arrived behind a long one is not held back for the whole of the long one's prefill.
+that arrived behind a long one is not held back for the whole of the long one's prefill. While
+requests decode, prompts together get at most what keeps the step within
+`max_step_time_ratio` of a decode-only step, by the step times measured so far (step_time.py):
+streams keep flowing while long prompts arrive.
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later, before any request that arrived after it (its tokens are kept, so nothing is
 lost).
 
 Why this order (issue 22): a request's first token then depends only on the requests that
 arrived no later than it (each step the oldest unfinished prompt gets at least
-min(threshold, budget - running decodes) tokens), and an earlier prompt that is no longer
+min(threshold, budget - running decodes, the step-time allowance) tokens), and an earlier prompt that is no longer
 gets its first token no later than a newer one. Tests: tests/runtime/test_scheduler_fairness.py.
 """
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, RequestStatus
+from kvfleet.runtime.engine.step_time import StepTimeModel
 
 
 @dataclass(slots=True)
@@ -40,6 +44,11 @@ class SchedulerConfig:
     # Most prompt tokens one request computes in a step (0: up to the whole budget). Only with
     # chunked prefill: without it a prompt is computed in one step or not at all.
     long_prefill_token_threshold: int = 0
+    # While requests decode, a step carrying prompt tokens may take at most this many times
+    # their decode-only step (step_time.py sizes its prompt share); 0: no such bound.
+    max_step_time_ratio: float = 0.0
+    # The fewest prompt tokens a step may carry under that bound: prompts always progress.
+    min_prompt_tokens: int = 16
 
 
 @dataclass(slots=True)
@@ -62,6 +71,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        # Steps' durations as the engine measures them: what the prompt allowance is sized by.
+        self.step_times = StepTimeModel()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.requests: dict[str, Request] = {}
@@ -143,6 +154,12 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
                 self._schedule_running(request, 1, batch)
+        prompts = len(prefills) + len(self.waiting)
+        allowance = self._bound_prompt_tokens(len(batch.requests), prompts)
+        if allowance is not None and prompts > 1:
+            # Shared among the prompts in line, so a short one behind a long one is not held
+            # back for all of the long one's (now many) steps.
+            cap = min(cap, max(allowance // prompts, self.config.min_prompt_tokens))
         for request in prefills:
             if self._budget <= 0:
                 break
@@ -158,6 +175,26 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         return batch
+
+    def _bound_prompt_tokens(self, decode_rows: int, prompts: int) -> int | None:
+        """With chunked prefill and requests decoding, leave prompts only the tokens the step
+        time allows (step_time.py): a long prompt then delays each stream's next token by a
+        bounded factor instead of a whole prefill. When more requests wait for their first
+        token (`prompts`, queued or part-way through their prompt) than streams decode — a
+        burst of arrivals — the allowance grows by that factor: the stall then falls on fewer
+        streams than the first tokens it brings forward. Returns the allowance, None where
+        there is none."""
+        c = self.config
+        if not c.enable_chunked_prefill or c.max_step_time_ratio <= 0:
+            return None
+        allowance = self.step_times.prompt_allowance(decode_rows, c.max_step_time_ratio)
+        if allowance is None:
+            return None
+        allowance = max(allowance, c.min_prompt_tokens)
+        if prompts > decode_rows:
+            allowance = allowance * prompts // decode_rows
+        self._budget = min(self._budget, allowance)
+        return allowance
 
     def _schedule_running(self, request: Request, num_new: int, batch: ScheduledBatch) -> None:
         while not self.kv.allocate_slots(request, num_new):

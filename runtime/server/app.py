@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server: aiohttp routes over an AsyncEngine.
 
-Handlers parse and validate (`protocol`), tokenize in a worker thread (the event loop
-never waits on a tokenizer or a chat template), then hand the prompts to `generation`, which
-awaits the engine's per-request streams; no handler runs a forward pass. Admission is refused (503) while loading, while draining, and
-when more than `max_waiting_requests` sequences are already queued. Every error, expected or
+Handlers parse (`protocol`), then hand the body to the engine's input processor — tokenize and
+render chat templates in a worker thread (the event loop never waits on a tokenizer), validate
+against the model's limits — and the resulting sequences to `generation`, which streams the
+output processor's deltas; the forward passes run in the engine core's own process. Admission
+is refused (503) while loading, while draining, and when more than `max_waiting_requests`
+sequences are already queued. Every error, expected or
 not, reaches the client in OpenAI's shape: a response, or an error event ending a stream.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +34,8 @@ from kvfleet import __version__, contract
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.async_engine import AsyncEngine
+    from kvfleet.runtime.engine.core_messages import CoreRequest
+    from kvfleet.runtime.engine.input_processor import InputProcessor
     from kvfleet.runtime.engine.sampling_params import SamplingParams
     from kvfleet.runtime.server.metrics import RuntimeMetrics
 
@@ -156,14 +162,14 @@ class OpenAIServer:
         return web.json_response({"version": __version__})
 
     async def models(self, request: web.Request) -> web.Response:
-        e = self.engine.engine
+        info = self.engine.info
         card = {
             "id": self.settings.model_name,
             "object": "model",
             "created": self._created,
             "owned_by": "kvfleet",
             "root": self.engine.config.model,
-            "max_model_len": e.max_model_len if e is not None else None,
+            "max_model_len": info.max_model_len if info is not None else None,
         }
         return web.json_response({"object": "list", "data": [card]})
 
@@ -172,22 +178,22 @@ class OpenAIServer:
         body = await self._json(request)
         req = proto.parse_completion_request(body)
         self._admit(req.model, len(req.prompts) * req.params.n)
-        engine = self._engine()
+        inputs = self._inputs()
 
         def prepare() -> tuple[list[list[int]], list[str] | None]:
             prompts = [
-                self._encode(engine, p, "prompt") if isinstance(p, str) else list(p)
+                self._encode(inputs, p, "prompt") if isinstance(p, str) else list(p)
                 for p in req.prompts
             ]
             echo = None
             if req.echo:
                 echo = [
-                    p if isinstance(p, str) else engine.tokenizer.decode(p) for p in req.prompts
+                    p if isinstance(p, str) else inputs.tokenizer.decode(p) for p in req.prompts
                 ]
             return prompts, echo
 
-        prompts, echo_texts = await self._off_loop(prepare)
-        self._validate(prompts, req.params)
+        token_ids, echo_texts = await self._off_loop(prepare)
+        prompts = self._sequences(inputs, token_ids, req.params)
         with self._track():
             if req.stream:
                 return await self._writer.stream_completion(request, req, prompts, echo_texts)
@@ -197,15 +203,15 @@ class OpenAIServer:
         body = await self._json(request)
         req = proto.parse_chat_request(body)
         self._admit(req.model, req.params.n)
-        engine = self._engine()
+        inputs = self._inputs()
 
         def prepare() -> list[int]:
-            text = _render_chat(engine, req.messages, req.template)
+            text = _render_chat(inputs, req.messages, req.template)
             # The template wrote the special tokens: none are added.
-            return self._encode(engine, text, "messages", add_special_tokens=False)
+            return self._encode(inputs, text, "messages", add_special_tokens=False)
 
-        prompt = await self._off_loop(prepare)
-        self._validate([prompt], req.params, prompt_field="messages")
+        token_ids = await self._off_loop(prepare)
+        (prompt,) = self._sequences(inputs, [token_ids], req.params, prompt_field="messages")
         with self._track():
             if req.stream:
                 return await self._writer.stream_chat(request, req, prompt)
@@ -215,22 +221,22 @@ class OpenAIServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         req = proto.parse_tokenize_request(await self._json(request))
         self._check_model(req.model)
-        engine = self._engine()
+        inputs = self._inputs()
 
         def run() -> tuple[list[int], list[str] | None]:
             if req.messages is not None:
-                text = _render_chat(engine, req.messages, req.template)
+                text = _render_chat(inputs, req.messages, req.template)
             else:
                 text = req.prompt or ""
-            ids = engine.encode(text, req.add_special_tokens)
-            strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            ids = inputs.encode(text, req.add_special_tokens)
+            strs = inputs.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return ids, strs
 
         ids, strs = await self._off_loop(run)
         return web.json_response(
             {
                 "count": len(ids),
-                "max_model_len": engine.max_model_len,
+                "max_model_len": inputs.max_model_len,
                 "tokens": ids,
                 "token_strs": strs,
             }
@@ -239,14 +245,14 @@ class OpenAIServer:
     async def detokenize(self, request: web.Request) -> web.Response:
         model, tokens = proto.parse_detokenize_request(await self._json(request))
         self._check_model(model)
-        engine = self._engine()
-        vocab = engine.model_config.vocab_size
+        inputs = self._inputs()
+        vocab = inputs.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(
                 400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}", param="tokens"
             )
-        text = await self._off_loop(lambda: engine.tokenizer.decode(tokens))
+        text = await self._off_loop(lambda: inputs.tokenizer.decode(tokens))
         return web.json_response({"prompt": text})
 
     async def _off_loop(self, fn: Callable[[], T]) -> T:
@@ -254,19 +260,21 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
     @staticmethod
-    def _encode(engine: Any, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+    def _encode(
+        inputs: InputProcessor, text: str, field: str, add_special_tokens: bool = True
+    ) -> list[int]:
         """A prompt's token ids; a text too long to fit max_model_len tokens whatever it holds
         is refused by its length before the tokenizer spends time on it."""
-        limit = engine.max_prompt_chars
+        limit = inputs.max_prompt_chars
         if limit is not None and len(text) > limit:
             raise APIError(
                 400,
                 f"{field}: {len(text)} characters cannot fit in max_model_len "
-                f"{engine.max_model_len} tokens (at most {limit} characters could)",
+                f"{inputs.max_model_len} tokens (at most {limit} characters could)",
                 param=field,
                 code="context_length_exceeded",
             )
-        return engine.encode(text, add_special_tokens=add_special_tokens)
+        return inputs.encode(text, add_special_tokens=add_special_tokens)
 
     # --- admission ---------------------------------------------------------------------------
     async def _json(self, request: web.Request) -> Any:
@@ -330,24 +338,33 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    def _engine(self) -> Any:
-        engine = self.engine.engine
-        if engine is None:
+    def _inputs(self) -> InputProcessor:
+        inputs = self.engine.inputs
+        if inputs is None:
             raise _unavailable("the model is still loading")
-        return engine
+        return inputs
 
-    def _validate(
-        self, prompts: list[list[int]], params: SamplingParams, prompt_field: str = "prompt"
-    ) -> None:
-        """Check each prompt against the engine's limits; a chat's prompt is its messages."""
-        for ids in prompts:
-            try:
-                self.engine.engine.validate(ids, params)  # type: ignore[union-attr]
-            except RequestError as exc:
-                if exc.field != "prompt":
-                    raise APIError(400, str(exc), param=exc.field) from exc
-                message = f"{prompt_field}: {str(exc).removeprefix('prompt: ')}"
-                raise APIError(400, message, param=prompt_field) from exc
+    @staticmethod
+    def _sequences(
+        inputs: InputProcessor,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_field: str = "prompt",
+    ) -> list[list[CoreRequest]]:
+        """Each prompt's sequences for the core, checked once against the model's limits
+        (400 naming the field; a chat's prompt is its messages)."""
+        request_id = uuid.uuid4().hex
+        now = time.monotonic()
+        try:
+            return [
+                inputs.sequences(f"{request_id}-{i}", ids, params, now)
+                for i, ids in enumerate(prompts)
+            ]
+        except RequestError as exc:
+            if exc.field != "prompt":
+                raise APIError(400, str(exc), param=exc.field) from exc
+            message = f"{prompt_field}: {str(exc).removeprefix('prompt: ')}"
+            raise APIError(400, message, param=prompt_field) from exc
 
     def _track(self) -> _Tracker:
         return _Tracker(self)
@@ -355,7 +372,7 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
         if text is None:
-            text = self._engine().tokenizer.decode([token_id])
+            text = self._inputs().tokenizer.decode([token_id])
             if len(self._token_text_cache) < 200_000:
                 self._token_text_cache[token_id] = text
         return text
@@ -380,10 +397,10 @@ class _Tracker:
 
 
 def _render_chat(
-    engine: Any, messages: list[dict[str, str]], opts: proto.ChatTemplateOptions
+    inputs: InputProcessor, messages: list[dict[str, str]], opts: proto.ChatTemplateOptions
 ) -> str:
     try:
-        return engine.render_chat(
+        return inputs.render_chat(
             messages, opts.add_generation_prompt, opts.continue_final_message, opts.kwargs
         )
     except Exception as exc:  # a template that rejects the conversation (e.g. role order)

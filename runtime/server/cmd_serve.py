@@ -1,11 +1,12 @@
 """`kvfleet serve`: the OpenAI-compatible server every runtime pod runs.
 
 Lifecycle: the HTTP port opens first (so /health answers 503 while the model loads), the
-engine loads in its own thread and passes a short warm-up generation, then /health turns 200.
-SIGTERM (or SIGINT) drains: /health 503, new requests 503, in-flight requests finish within
---drain-timeout, exit 0. Should the engine itself fail (a fault no single request can be blamed
-for), in-flight streams end with an error event, /health turns 503 and the process exits 1, so
-that Kubernetes (or any supervisor) restarts it rather than leaving a pod that answers 503.
+engine core loads in its own process and passes a short warm-up generation, then /health turns
+200. SIGTERM (or SIGINT) drains: /health 503, new requests 503, in-flight requests finish within
+--drain-timeout, then the core stops, exit 0. Should the core fail (a fault no single request can
+be blamed for, or the process killed), in-flight streams end with an error event, /health turns
+503 and the process exits 1, so that Kubernetes (or any supervisor) restarts it rather than
+leaving a pod that answers 503.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, config: object, key: str | None) -> int:
     import asyncio
+    import contextlib
     import signal
 
     from aiohttp import web
@@ -166,6 +168,9 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
     await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not start.done():  # signalled while loading: nothing in flight, just leave
         log.info("stopping before the model finished loading")
+        start.cancel()  # kills the loading core
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
         await runner.cleanup()
         return 0
     if start.exception() is not None:
@@ -173,8 +178,8 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
         await runner.cleanup()
         return 1
 
-    # engine.start() returned after the engine thread's warm-up generation passed (prefill,
-    # decode, sampling, detokenizing): only now may the pod report ready.
+    # engine.start() returned after the core's warm-up generation passed (prefill, decode,
+    # sampling) and the tokenizer loaded: only now may the pod report ready.
     server.ready = True
     log.info("ready: serving %r on http://%s:%s", name, args.host, args.port)
 
@@ -184,6 +189,7 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
         log.critical("the engine stopped; exiting so that the process is restarted")
         # The streams already got their error event; give their last writes a moment.
         await server.wait_idle(5.0)
+        await engine.stop()
         await runner.cleanup()
         return 1
     crashed.cancel()

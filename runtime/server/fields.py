@@ -156,15 +156,19 @@ def unsupported(name: str, detail: str = "is not supported by this server") -> A
     return APIError(400, f"{name}: {detail}", param=name, code="unsupported_parameter")
 
 
-def stream_options(body: dict[str, Any], stream: bool) -> bool:
+def stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """`stream_options`: (include_usage, continuous_usage_stats). The second is vLLM's: every
+    chunk then carries the usage so far, which lets a client count tokens rather than chunks."""
     options = get_field(body, "stream_options", dict)
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise APIError(
             400, "stream_options: only allowed when stream is true", param="stream_options"
         )
-    return bool(get_field(options, "include_usage", bool, False))
+    include = bool(get_field(options, "include_usage", bool, False))
+    continuous = bool(get_field(options, "continuous_usage_stats", bool, False))
+    return include, include and continuous
 
 
 def sampling_params(

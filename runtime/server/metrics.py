@@ -1,10 +1,10 @@
 """The runtime's Prometheus metrics, named as vLLM names them (kvfleet.contract) so existing
 dashboards, alerts and the operator's autoscaler read them unchanged.
 
-Latency histograms are observed from the engine thread through the EngineObserver hooks
-(prometheus-client is thread-safe). Gauges and counters are read at scrape time from the
-engine thread's published `EngineStats` snapshot, so the exposed counters are exactly the
-engine's own and never drift from it.
+Latency histograms are observed by the output processor as each step's tokens arrive from the
+engine core (the `SequenceObserver` hooks), with the core's own step times. Gauges and counters
+are read at scrape time from the `EngineStats` snapshot the core sends after every step, so the
+exposed counters are exactly the core's own and never drift from it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from prometheus_client.registry import Collector
 from kvfleet import contract
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.engine.async_engine import AsyncEngine, EngineStats
-    from kvfleet.runtime.engine.request import Request
+    from kvfleet.runtime.engine.async_engine import AsyncEngine
+    from kvfleet.runtime.engine.core_messages import EngineStats
+    from kvfleet.runtime.engine.output_processor import SequenceState
 
 # vLLM's buckets: sub-10 ms steps on a GPU up to minutes for long CPU generations.
 TTFT_BUCKETS = (
@@ -101,19 +102,19 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 def cache_config_labels(engine: AsyncEngine) -> dict[str, str] | None:
     """`vllm:cache_config_info`'s labels, as vLLM spells them; None until the model is loaded
     (the number of blocks is only known then)."""
-    e = engine.engine
-    if e is None:
+    info = engine.info
+    if info is None:
         return None
     return {
-        "block_size": str(e.kv.block_size),
-        "num_gpu_blocks": str(e.kv.num_blocks),  # vLLM's label name, whatever the device
-        "enable_prefix_caching": str(e.kv.enable_prefix_caching),
-        "cache_dtype": e.config.kv_cache_dtype,
+        "block_size": str(info.block_size),
+        "num_gpu_blocks": str(info.num_blocks),  # vLLM's label name, whatever the device
+        "enable_prefix_caching": str(info.enable_prefix_caching),
+        "cache_dtype": info.kv_cache_dtype,
     }
 
 
 class RuntimeMetrics:
-    """One registry per server: the EngineObserver for histograms plus a collector for the
+    """One registry per server: the SequenceObserver for histograms plus a collector for the
     engine's gauges and counters (and, given `cache_config`, the KV cache's info gauge)."""
 
     def __init__(
@@ -171,17 +172,17 @@ class RuntimeMetrics:
         )
         self.registry.register(_EngineCollector(model_name, stats, cache_config))
 
-    # --- EngineObserver (called from the engine thread) --------------------------------------
-    def on_first_token(self, request: Request, now: float) -> None:
+    # --- SequenceObserver (called by the output processor) -----------------------------------
+    def on_first_token(self, request: SequenceState, now: float) -> None:
         self._ttft.observe(max(now - request.arrival_time, 0.0))
         if request.first_scheduled_time is not None:
             self._queue.observe(max(request.first_scheduled_time - request.arrival_time, 0.0))
 
-    def on_token(self, request: Request, now: float) -> None:
+    def on_token(self, request: SequenceState, now: float) -> None:
         if request.last_token_time is not None:
             self._itl.observe(max(now - request.last_token_time, 0.0))
 
-    def on_finished(self, request: Request, now: float) -> None:
+    def on_finished(self, request: SequenceState, now: float) -> None:
         # Aborted and failed requests are counted by reason but left out of the latency
         # histograms: a client hanging up says nothing about how fast the server is.
         if request.finish_reason in ("abort", "error"):
@@ -215,7 +216,7 @@ class _EngineCollector(Collector):
         self._cache_config = cache_config
 
     def collect(self) -> Iterator[Metric]:
-        from kvfleet.runtime.engine.async_engine import EngineStats
+        from kvfleet.runtime.engine.core_messages import EngineStats
 
         s = self._stats() or EngineStats()
         label = [contract.MODEL_NAME_LABEL]

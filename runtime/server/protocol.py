@@ -34,6 +34,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -68,6 +70,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     logprobs = get_field(body, "logprobs", int)
     # Echo with logprobs scores the prompt too, with as many alternatives per token.
     prompt_logprobs = logprobs if echo else None
+    usage, continuous = stream_options(body, stream)
     return CompletionRequest(
         model=model_field(body),
         prompts=prompts,
@@ -75,8 +78,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             body, get_field(body, "max_tokens", int, 16), logprobs, prompt_logprobs
         ),
         stream=stream,
-        include_usage=stream_options(body, stream),
+        include_usage=usage,
         echo=echo,
+        continuous_usage=continuous,
     )
 
 
@@ -128,13 +132,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
             400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs"
         )
     logprobs = (top or 0) if want_logprobs else None
+    usage, continuous = stream_options(body, stream)
     return ChatRequest(
         model=model_field(body),
         messages=messages,
         params=sampling_params(body, max_tokens, logprobs),
         stream=stream,
-        include_usage=stream_options(body, stream),
+        include_usage=usage,
         template=_chat_template_options(body, messages),
+        continuous_usage=continuous,
     )
 
 

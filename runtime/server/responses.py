@@ -1,5 +1,5 @@
-"""OpenAI response pieces: usage, logprobs objects, and stream deltas cut from the engine's
-cumulative outputs."""
+"""OpenAI response pieces: usage, logprobs objects, and a non-streamed choice gathered from
+the engine's deltas."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.runtime.engine.request import CompletionOutput, TokenLogprob
+from kvfleet.runtime.engine.output_processor import CompletionDelta
+from kvfleet.runtime.engine.request import TokenLogprob
 
 # JSON has no -Infinity: a token the sampler could never pick is reported as this (as vLLM does).
 LOGPROB_FLOOR = -9999.0
@@ -73,34 +74,23 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[st
 
 
 @dataclass(slots=True)
-class ChoiceCursor:
-    """What has been sent of one choice so far, to turn cumulative outputs into deltas."""
+class ChoiceSoFar:
+    """One choice of a non-streamed answer, gathered from its deltas."""
 
-    text_len: int = 0
+    text: list[str] = field(default_factory=list)
     num_tokens: int = 0
-    text_offset: int = 0  # completions logprobs: offset of the next token in the full text
-    done: bool = False
-
-
-@dataclass(slots=True)
-class Delta:
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
-
-def take_delta(cursor: ChoiceCursor, out: CompletionOutput) -> Delta | None:
-    """The new part of `out` since `cursor`, or None when nothing is new."""
-    if cursor.done:
-        return None
-    text = out.text[cursor.text_len :]
-    new_lp = (out.logprobs or [])[cursor.num_tokens :] if out.logprobs is not None else []
-    if not text and not new_lp and out.finish_reason is None:
-        return None
-    cursor.text_len = len(out.text)
-    cursor.num_tokens = len(out.token_ids)
-    cursor.done = out.finish_reason is not None
-    return Delta(text, list(new_lp), out.finish_reason)
+    def take(self, delta: CompletionDelta) -> None:
+        self.text.append(delta.text)
+        self.num_tokens += len(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def now() -> int:

@@ -6,6 +6,10 @@ the request. Run as a script with serve's arguments; used by test_server_hardeni
 - SAMPLER_FAULT as a stop string: sampling that request fails (the engine fails it alone).
 - ENCODE_FAULT in a prompt: tokenizing it raises an unexpected exception in the handler.
 - SLOW_ENCODE in a prompt: tokenizing it takes SLOW_ENCODE_S seconds.
+
+The faults are installed when this file is imported, which happens twice: as the server's
+`__main__`, and as `__mp_main__` in the engine core's process, which multiprocessing's spawn
+method starts by running the parent's main file (the model runner and sampler live there).
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ import sys
 import time
 
 from kvfleet.runtime.cli import main
-from kvfleet.runtime.engine import llm_engine as engine
-from kvfleet.runtime.engine import model_runner, sampler
+from kvfleet.runtime.engine import input_processor, model_runner, sampler
 
 FAULT_TOKEN = 31337
 SAMPLER_FAULT = "\x00sampler fault\x00"
@@ -27,7 +30,7 @@ SLOW_ENCODE_S = 3.0
 def _install() -> None:
     execute = model_runner.ModelRunner.execute
     sample = sampler.Sampler.__call__
-    encode = engine.LLMEngine.encode
+    encode = input_processor.InputProcessor.encode
 
     def failing_execute(self, batch):  # type: ignore[no-untyped-def]
         if any(FAULT_TOKEN in r.prompt_token_ids for r in batch.requests):
@@ -48,9 +51,10 @@ def _install() -> None:
 
     model_runner.ModelRunner.execute = failing_execute  # type: ignore[method-assign]
     sampler.Sampler.__call__ = failing_sample  # type: ignore[method-assign]
-    engine.LLMEngine.encode = failing_encode  # type: ignore[method-assign]
+    input_processor.InputProcessor.encode = failing_encode  # type: ignore[method-assign]
 
 
-if __name__ == "__main__":
+if __name__ in ("__main__", "__mp_main__"):
     _install()
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

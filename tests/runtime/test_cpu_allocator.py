@@ -21,10 +21,10 @@ def test_glibc_takes_both_thresholds():
 
 
 def test_the_cpu_engine_keeps_freed_memory(monkeypatch, tiny_llama_dir):
-    from kvfleet.runtime.engine import llm_engine as engine
+    from kvfleet.runtime.engine import core
     from kvfleet.runtime.engine.config import EngineConfig
 
     calls = []
-    monkeypatch.setattr(engine, "keep_freed_memory", lambda: calls.append(1) or True)
-    engine.LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
+    monkeypatch.setattr(core, "keep_freed_memory", lambda: calls.append(1) or True)
+    core.EngineCore(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
     assert calls == [1]

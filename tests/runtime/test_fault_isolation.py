@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfleet.runtime import LLM, SamplingParams
-from kvfleet.runtime.engine import llm_engine as engine_module
+from kvfleet.runtime.engine import output_processor as engine_module
 from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 
 # Requests carrying one of these stop strings are the ones an injected fault picks on; they
@@ -51,7 +51,7 @@ class _FaultyDetokenizer(IncrementalDetokenizer):
 @pytest.fixture
 def faults(llm: LLM, monkeypatch: pytest.MonkeyPatch):
     """Install both faults on the module's engine (undone after the test)."""
-    monkeypatch.setattr(llm.engine, "sampler", _FaultySampler(llm.engine.sampler))
+    monkeypatch.setattr(llm.engine.core, "sampler", _FaultySampler(llm.engine.core.sampler))
     monkeypatch.setattr(engine_module, "IncrementalDetokenizer", _FaultyDetokenizer)
     return llm
 
@@ -60,7 +60,7 @@ def _assert_engine_clean(llm: LLM) -> None:
     e = llm.engine
     assert not e.has_unfinished_requests()
     assert e.kv.usage == 0.0, "blocks leaked"
-    assert not e._groups and not e._detok and not e._prompts
+    assert not e._requests and not len(e.outputs) and not e.core.scheduler.requests
 
 
 def test_a_sampling_fault_fails_that_request_only(llm: LLM, faults: LLM) -> None:
@@ -151,7 +151,7 @@ def test_faulty_requests_never_change_what_the_others_get(
     )
 
     with monkeypatch.context() as m:
-        m.setattr(llm.engine, "sampler", _FaultySampler(llm.engine.sampler))
+        m.setattr(llm.engine.core, "sampler", _FaultySampler(llm.engine.core.sampler))
         m.setattr(engine_module, "IncrementalDetokenizer", _FaultyDetokenizer)
         # The detokenizer fault needs three tokens; shorter marked requests may finish first.
         outs = llm.generate([s["prompt"] for s in specs], [params(s, s["fault"]) for s in specs])

@@ -89,6 +89,30 @@ def test_streamed_completion_equals_the_unstreamed_one(tiny_client, model):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_continuous_usage_counts_every_token_where_it_arrives(tiny_client, model):
+    """vLLM's stream_options.continuous_usage_stats: each chunk says how many tokens so far,
+    so a client counts tokens (a chunk may carry several, or none that decode to text)."""
+    args = {"model": model, "prompt": "Count with me", "max_tokens": 12, "temperature": 0}
+    args["extra_body"] = {"ignore_eos": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(tiny_client.completions.create(**args, stream=True, stream_options=options))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == tiny_client.completions.create(**args).choices[0].text
+    chat = tiny_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options=options,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.usage.completion_tokens for c in chat][-1] == 5
+
+
 def test_stop_string_cuts_the_text_before_it(tiny_client, model):
     args = {"model": model, "prompt": "Tell me a story", "max_tokens": 16, "temperature": 0}
     full = tiny_client.completions.create(**args).choices[0].text
@@ -280,7 +304,7 @@ def test_disconnect_mid_stream_frees_the_kv_cache(tiny_server, model):
 
 
 async def test_bench_serve_drives_the_server_and_counts_every_token(tiny_server, offline):
-    from kvfleet.runtime.bench.serve import drive
+    from kvfleet.runtime.bench.serve_client import drive
 
     ids = offline.tokenizer.encode("Benchmark prompt", add_special_tokens=False)
     workload = [(ids, 5 + i) for i in range(6)]
@@ -294,7 +318,7 @@ async def test_bench_serve_keeps_samples_out_of_the_json_and_plots_them(
     tiny_server, offline, tmp_path
 ):
     from kvfleet.runtime.bench.plots import plot_concurrency_sweep, plot_latency_cdfs
-    from kvfleet.runtime.bench.serve import drive
+    from kvfleet.runtime.bench.serve_client import drive
 
     ids = offline.tokenizer.encode("Plot prompt", add_special_tokens=False)
     runs = [await drive(tiny_server.url, [(ids, 4)] * 4, concurrency=c, timeout=60) for c in (1, 4)]

@@ -41,8 +41,8 @@ class RecordingSampler:
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
-    recorder = RecordingSampler(llm.engine.sampler)
-    llm.engine.sampler = recorder
+    recorder = RecordingSampler(llm.engine.core.sampler)
+    llm.engine.core.sampler = recorder
     outs = llm.generate(PROMPTS, GREEDY)
     return [o.outputs[0].token_ids for o in outs], recorder.logits
 

@@ -1,0 +1,404 @@
+"""EngineCore: sequences in, new tokens out, one scheduled forward pass per `step()`.
+
+The core does four things and nothing else: schedule, run the model, sample, append. It holds
+no tokenizer: prompts arrive as token ids (the input processor's work), and what it returns
+per step is each sequence's new token ids (the output processor detokenizes them and looks
+for stop strings). It runs in its own process under `kvfleet serve` (core_process.py) and in
+the caller's process under the offline `LLM` (llm_engine.py); either way one thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
+from kvfleet.runtime.engine.core_messages import (
+    CoreInfo,
+    CoreRequest,
+    EngineStats,
+    SequenceOutput,
+    failure_message,
+)
+from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
+from kvfleet.runtime.engine.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
+from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.sampler import Sampler
+from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.step_time import StepTimeModel
+from kvfleet.runtime.engine.tp_start import start_tensor_parallel
+from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_MEMORY = 2 * 1024**3
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason → count
+    steps: int = 0
+    received: int = 0  # sequences added, ever
+
+
+class EngineCore:
+    """The model, its KV cache, the scheduler and the sampler; `step()` runs one batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.workers: TPWorkers | None = None  # the other tensor-parallel ranks, if any
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()  # workers started before the failure must not outlive it
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        from kvfleet.runtime.models.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            torch.set_num_threads(threads_per_rank(usable_cores(), tp_size, config.num_threads))
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # steps reuse freed activations' pages instead of faulting in new
+        torch.manual_seed(config.seed)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if tp_size > 1:
+            started = start_tensor_parallel(
+                config, self.device, self.dtype, self.kv_dtype, self._kv_budget, self._set_workers
+            )
+            self.model, self.model_config, folder, num_blocks = started
+        else:
+            self.model, self.model_config, folder = load_model(
+                config.model, self.dtype, self.device, config.revision, config.hf_token,
+                policy=config.kernel_policy,
+            )  # fmt: skip
+            self.model.prepack()
+            num_blocks = -1  # from the budget, below
+        self.model_folder = folder  # None for random:* models
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len: {self.max_model_len} exceeds the model's context length "
+                f"{mc.max_position_embeddings}"
+            )
+        # Per rank: its own KV heads (under tensor parallelism, a shard of them).
+        per_token = kv_bytes_per_token(mc, self.kv_dtype, self.model.layout.num_kv_heads)
+        budget = self._kv_budget()
+        if num_blocks < 0:
+            num_blocks = budget // (per_token * config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(
+                f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} tokens, "
+                f"fewer than max_model_len {self.max_model_len}; raise --kv-cache-memory or lower "
+                f"--max-model-len"
+            )
+        max_batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit one step.
+            max_batched = max(max_batched, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs,
+                max_batched,
+                config.enable_chunked_prefill,
+                config.long_prefill_token_threshold,
+                config.max_step_time_ratio,
+                min_prompt_tokens=config.block_size,
+            ),
+            self.kv,
+        )
+        # Decode steps replay CUDA graphs on a GPU (one process: the graphs hold no collectives).
+        graphs = self.device.type == "cuda" and not config.enforce_eager and self.workers is None
+        self.runner = ModelRunner(
+            self.model,
+            mc,
+            self.kv,
+            self.kv_dtype,
+            self.device,
+            self.workers,
+            graph_max_batch=config.max_num_seqs if graphs else 0,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        self.counters = EngineCounters()
+        # Sequences sent out since their last output, by id: the step's outputs are built from
+        # these, holding only what is new.
+        self._sent: dict[str, int] = {}  # request id → output tokens already reported
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB, %s), max_model_len %d",
+            config.model,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size * per_token / 1024**3,
+            str(self.kv_dtype).removeprefix("torch."),
+            self.max_model_len,
+        )
+
+    def _set_workers(self, workers: TPWorkers) -> None:
+        self.workers = workers  # from here on a failure in __init__ closes them
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return int(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.kv_cache_memory_fraction)
+        return CPU_DEFAULT_KV_MEMORY
+
+    @property
+    def info(self) -> CoreInfo:
+        """The limits and locations the server's input and output processors need."""
+        return CoreInfo(
+            model_folder=str(self.model_folder) if self.model_folder is not None else None,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            block_size=self.kv.block_size,
+            num_blocks=self.kv.num_blocks,
+            enable_prefix_caching=self.kv.enable_prefix_caching,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+        )
+
+    def check_health(self) -> None:
+        """Raise TPWorkerError if a tensor-parallel worker has died (else nothing: a
+        one-process core's health is its own)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (no-op without)."""
+        import torch.distributed as dist
+
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    # --- requests ----------------------------------------------------------------------------
+    def add(self, requests: list[CoreRequest]) -> None:
+        """Queue sequences (a group's siblings together: the first one's prompt blocks are
+        published when allocated, so the others hit them in the same step)."""
+        built = [
+            Request(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                params=r.params,
+                eos_token_ids=r.eos_token_ids,
+                max_tokens=r.max_tokens,
+                group_id=r.group_id,
+                index=r.index,
+                arrival_time=r.arrival_time,
+            )
+            for r in requests
+        ]
+        for r in built:
+            if r.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id: {r.request_id!r} is already in use")
+        for r in built:
+            self.scheduler.add(r)
+            self._sent[r.request_id] = -1  # nothing reported yet, not even the first output
+            if r.index == 0:  # n completions share one prompt: counted once, as vLLM does
+                self.counters.prompt_tokens += len(r.prompt_token_ids)
+        self.counters.received += len(built)
+
+    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        """End sequences at once and free their blocks (unknown or finished ids are skipped).
+        `reason` is what the server decided: "abort", or "stop" for a stop string."""
+        for rid in request_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                self._finish(request, reason)
+            self._sent.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage,
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
+            finished=dict(self.counters.finished),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            received=self.counters.received,
+        )
+
+    def warm_up(self) -> None:
+        """Short generations outside every counter: the first proves the model, cache and
+        sampler work before a server reports ready and takes first-call costs out of
+        benchmarks; with --max-step-time-ratio the next give the step-time model steps of many
+        shapes to size prompt shares from before the first request — decodes of 7 rows down to
+        1 as sequences end one by one, and prefills of three sizes."""
+        vocab = self.model_config.vocab_size
+        longest = max(self.max_model_len - 9, 8)
+        self._generate_unseen([(8, 2)], vocab)
+        self.scheduler.step_times = StepTimeModel()  # first calls are slow: forget them
+        if self.config.max_step_time_ratio > 0:  # only the prompt bound reads the model
+            self._generate_unseen([(min(16 * (k + 1), longest), k + 1) for k in range(8)], vocab)
+            self._generate_unseen([(min(64, longest), 2)] * 2, vocab)
+            self._generate_unseen([(min(24, longest), 2)], vocab)
+        self.counters = EngineCounters()
+        self.kv.stats = PrefixCacheStats()
+
+    def _generate_unseen(self, shapes: list[tuple[int, int]], vocab: int) -> None:
+        """Run prompts of (length, output tokens) to their end, together."""
+        ids = [f"__warmup_{i}__" for i in range(len(shapes))]
+        requests = []
+        for k, (rid, (length, tokens)) in enumerate(zip(ids, shapes, strict=True)):
+            params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+            # Distinct prompts, none seen before: no prefix-cache hit shrinks a prefill.
+            prompt = [(i * 7 + 13 * k + 31 * length + 1) % vocab for i in range(length)]
+            requests.append(CoreRequest(rid, prompt, params, frozenset(), tokens, rid, 0, 0.0))
+        self.add(requests)
+        try:
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.abort(ids)
+
+    # --- the step ----------------------------------------------------------------------------
+    def step(self) -> list[SequenceOutput]:
+        """Schedule and run one batch; return the sequences that gained tokens or ended."""
+        self.check_health()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.counters.steps += 1
+        started = time.perf_counter()
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            # A collective that failed because a worker died says so in gloo's or NCCL's words;
+            # name the rank instead.
+            self.check_health()
+            raise exc
+        for r, n in zip(batch.requests, batch.num_tokens, strict=True):
+            r.num_computed_tokens += n
+        for r, entries in result.prompt_logprobs:
+            r.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
+        rows = result.sample_rows
+        picks = self._sample(result.logits, rows, result.argmax) if rows else []
+        # The step's time, forward and sampling (which waits for the device): what the
+        # scheduler sizes the next steps' prompt share by.
+        seconds = time.perf_counter() - started
+        decodes = batch.num_tokens.count(1)
+        self.scheduler.step_times.observe(batch.total_tokens - decodes, decodes, seconds)
+        touched: list[Request] = []
+        failed: list[SequenceOutput] = []
+        now = time.monotonic()
+        for r, pick in zip(rows, picks, strict=True):
+            if r.finished:  # a sibling failed earlier in this loop and took the group down
+                continue
+            if isinstance(pick, Exception):
+                failed.extend(self._fail_group(r, pick))
+                continue
+            self._append_token(r, *pick, now)
+            touched.append(r)
+        return [self._output(r) for r in touched if r.request_id in self._sent] + failed
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[Request], argmax: list[int] | None = None
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each row's (token, logprob); where sampling the batch fails, the rows are sampled one
+        at a time so that only the requests whose own rows fail get an exception. `argmax`:
+        each row's argmax of `logits`, where the step computed it."""
+        try:
+            tokens, logprobs = self.sampler(logits, rows, argmax)
+            return list(zip(tokens, logprobs, strict=True))
+        except Exception:
+            log.warning(
+                "sampling %d rows failed; sampling them one by one", len(rows), exc_info=True
+            )
+        picks: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, r in enumerate(rows):
+            try:
+                tokens, logprobs = self.sampler(logits[i : i + 1], [r])
+                picks.append((tokens[0], logprobs[0]))
+            except Exception as exc:
+                picks.append(exc)
+        return picks
+
+    def _fail_group(self, request: Request, exc: Exception) -> list[SequenceOutput]:
+        """Give up on one request: every sequence of its group ends with reason "error" (blocks
+        freed at once), each output saying why. Nobody else is touched."""
+        log.error("request %s failed; the engine goes on", request.group_id, exc_info=exc)
+        message = failure_message(exc)
+        siblings = [
+            r for r in list(self.scheduler.requests.values()) if r.group_id == request.group_id
+        ]
+        outputs = []
+        for r in [request, *(s for s in siblings if s is not request)]:
+            self._finish(r, "error")
+            if self._sent.pop(r.request_id, None) is not None:
+                outputs.append(
+                    SequenceOutput(r.request_id, [], finish_reason="error", error=message)
+                )
+        return outputs
+
+    def _append_token(self, r: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
+        r.all_token_ids.append(token)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.last_token_time = now
+        self.counters.generation_tokens += 1
+        if r.logprobs is not None and lp is not None:
+            r.logprobs.append(lp)
+        p = r.params
+        may_stop = r.num_output_tokens >= p.min_tokens
+        if may_stop and not p.ignore_eos and token in r.eos_token_ids:
+            self._finish(r, "stop")  # EOS: no stop_reason, as in vLLM's API
+        elif may_stop and token in p.stop_token_ids:
+            self._finish(r, "stop", token)
+        elif r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, stop_reason: int | None = None) -> None:
+        if r.finished:
+            return
+        self.scheduler.finish(r, reason, stop_reason)
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+
+    def _output(self, r: Request) -> SequenceOutput:
+        """What `r` gained since its last output. A group's first sequence brings the prompt's
+        logprobs with its first output: it samples only once its whole prompt is scored."""
+        sent = self._sent[r.request_id]
+        first = sent < 0
+        start = max(sent, 0)
+        new = r.all_token_ids[r.num_prompt_tokens + start :]
+        logprobs = r.logprobs[start:] if r.logprobs is not None else None
+        if r.finished:
+            self._sent.pop(r.request_id, None)
+        else:
+            self._sent[r.request_id] = start + len(new)
+        return SequenceOutput(
+            r.request_id,
+            new,
+            logprobs,
+            r.finish_reason,
+            r.stop_reason if isinstance(r.stop_reason, int) else None,
+            first_scheduled_time=r.first_scheduled_time if first else None,
+            num_cached_tokens=r.num_cached_tokens if first else 0,
+            prompt_logprobs=r.prompt_logprobs if first else None,
+        )
