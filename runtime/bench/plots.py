@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.bench.serve import RunResult
+    from kvfleet.runtime.bench.serve_client import RunResult
 
 _LATENCIES = (
     ("ttft", "time to first token"),

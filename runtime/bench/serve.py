@@ -22,12 +22,14 @@ import shlex
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvfleet.runtime.bench.serve_client import RunResult, drive
 from kvfleet.runtime.engine.config import add_engine_args
 
-LONG_PROMPT_TOKENS = 2048
+# --long-prompt-every's prompts, in step budgets (--max-num-batched-tokens): longer than one
+# step, so that chunking has something to split.
+LONG_PROMPT_BUDGETS = 2
 SHARED_PREFIX_CONCURRENCY = 8
 
 
@@ -82,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         metavar="K",
-        help=f"every K-th request has a {LONG_PROMPT_TOKENS}-token prompt; chunked "
-        "prefill on vs off (needs --spawn)",
+        help=f"every K-th request has a prompt of {LONG_PROMPT_BUDGETS} x "
+        "--max-num-batched-tokens tokens; chunked prefill on vs off (needs --spawn)",
     )
     p.add_argument(
         "--concurrency-sweep",
@@ -111,160 +113,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
-
-
-@dataclass(slots=True)
-class RunResult:
-    """One pass over the workload; latencies in seconds."""
-
-    concurrency: int
-    num_requests: int
-    duration_s: float
-    requests_per_s: float
-    output_tokens_per_s: float
-    errors: int
-    ttft_p50: float
-    ttft_p90: float
-    ttft_p99: float
-    itl_p50: float
-    itl_p90: float
-    itl_p99: float
-    e2e_p50: float
-    e2e_p90: float
-    e2e_p99: float
-    first_error: str = ""
-    # Raw latencies for the plots ("ttft", "itl", "e2e"); not written to the JSON.
-    samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
-
-    def public(self) -> dict[str, Any]:
-        """The JSON-ready summary (percentiles, no raw samples)."""
-        out = asdict(self)
-        out.pop("samples")
-        return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); 0.0 for no values."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summarize(records: list[RequestRecord], duration: float, concurrency: int) -> RunResult:
-    good = [r for r in records if r.ok]
-    ttft = [r.ttft for r in good]
-    itl = [x for r in good for x in r.itls]
-    e2e = [r.e2e for r in good]
-    tokens = sum(r.output_tokens for r in good)
-    errors = [r for r in records if not r.ok]
-    return RunResult(
-        concurrency=concurrency,
-        num_requests=len(records),
-        duration_s=duration,
-        requests_per_s=len(good) / duration if duration else 0.0,
-        output_tokens_per_s=tokens / duration if duration else 0.0,
-        errors=len(errors),
-        ttft_p50=percentile(ttft, 50),
-        ttft_p90=percentile(ttft, 90),
-        ttft_p99=percentile(ttft, 99),
-        itl_p50=percentile(itl, 50),
-        itl_p90=percentile(itl, 90),
-        itl_p99=percentile(itl, 99),
-        e2e_p50=percentile(e2e, 50),
-        e2e_p90=percentile(e2e, 90),
-        e2e_p99=percentile(e2e, 99),
-        first_error=errors[0].error if errors else "",
-        samples={"ttft": ttft, "itl": itl, "e2e": e2e},
-    )
-
-
-async def _one(
-    session: Any, url: str, model: str, prompt: list[int], output_len: int, timeout: float
-) -> RequestRecord:
-    import aiohttp
-
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    last = start
-    rec = RequestRecord(ok=False)
-    chunks = 0
-    try:
-        async with session.post(
-            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return rec
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    rec.error = str(data["error"].get("message"))
-                    return rec
-                if data.get("usage"):
-                    rec.output_tokens = data["usage"]["completion_tokens"]
-                if not any(c.get("text") for c in data.get("choices") or []):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    rec.ttft = now - start
-                else:
-                    rec.itls.append(now - last)
-                last = now
-                chunks += 1
-    except Exception as exc:  # a benchmark reports failures, it does not stop at the first
-        rec.error = f"{type(exc).__name__}: {exc}"
-        return rec
-    rec.e2e = time.perf_counter() - start
-    rec.output_tokens = rec.output_tokens or chunks
-    rec.ok = True
-    return rec
-
-
-async def drive(
-    url: str, workload: list[tuple[list[int], int]], concurrency: int, timeout: float
-) -> RunResult:
-    """Send every request, at most `concurrency` at once, and summarize."""
-    import asyncio
-
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        async with session.get(f"{url}/v1/models") as resp:
-            model = (await resp.json())["data"][0]["id"]
-        sem = asyncio.Semaphore(concurrency)
-
-        async def limited(prompt: list[int], n: int) -> RequestRecord:
-            async with sem:
-                return await _one(session, url, model, prompt, n, timeout)
-
-        start = time.perf_counter()
-        records = await asyncio.gather(*(limited(p, n) for p, n in workload))
-        duration = time.perf_counter() - start
-    return summarize(list(records), duration, concurrency)
+def long_prompt_tokens(args: argparse.Namespace) -> int:
+    return LONG_PROMPT_BUDGETS * args.max_num_batched_tokens
 
 
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], int]]:
@@ -291,34 +141,27 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
         items = [(prefixes[k] + p, n) for k, (p, n) in zip(which, items, strict=True)]
     if args.long_prompt_every:
         for i in range(0, len(items), args.long_prompt_every):
-            items[i] = (rng.choice(pool, size=LONG_PROMPT_TOKENS).tolist(), items[i][1])
+            items[i] = (rng.choice(pool, size=long_prompt_tokens(args)).tolist(), items[i][1])
     return items
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags this command was given, for the processes it starts."""
-    argv = [
-        "--model",
-        args.model,
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--block-size",
-        str(args.block_size),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]
-    for flag, value in (
-        ("--tokenizer", args.tokenizer),
-        ("--max-model-len", args.max_model_len),
-        ("--kv-cache-memory", args.kv_cache_memory),
-        ("--num-threads", args.num_threads),
-        ("--served-model-name", args.served_model_name),
-    ):
-        if value is not None:
+    """The engine flags this command was given, for the processes it starts: every flag of
+    `add_engine_args` whose value is not its default (a token stays in the environment, out
+    of the process list)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    argv = ["--model", args.model]
+    for action in parser._actions:  # argparse offers no public walk of its actions
+        value = getattr(args, action.dest, action.default)
+        if action.dest in ("model", "hf_token") or value == action.default or value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
             argv += [flag, str(value)]
     return argv
 
@@ -444,6 +287,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         )
     elif args.long_prompt_every:
         result["long_prompt_every"] = args.long_prompt_every
+        result["long_prompt_tokens"] = long_prompt_tokens(args)
         await pair(
             "chunked_prefill",
             "itl_p99",
