@@ -10,6 +10,7 @@ import fnmatch
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from import_graph import ROOT, imported_modules, is_within, package_of
@@ -180,3 +181,23 @@ def test_pyproject_ships_every_package_and_the_c_sources():
         "kvfleet.kernels.cpu",
         "kvfleet.devcluster.apiserver",
     } <= packages
+
+
+# A file holds one idea (docs/architecture.md, "Conventions"): past these sizes it holds
+# several, and the next reader pays for it. Tests are exempt: a test file is one behaviour's
+# cases, however many.
+MAX_LINES = {".py": 450, ".c": 600, ".h": 600}
+
+
+def test_no_source_file_outgrows_one_idea():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = sorted({ROOT / d for d in setuptools["package-dir"].values()})
+    sizes = {
+        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+        for folder in folders
+        for path in folder.rglob("*")
+        if path.suffix in MAX_LINES
+    }
+    assert "runtime/engine/core.py" in sizes and "kernels/cpu/cpu_attention.c" in sizes
+    too_big = {p: n for p, n in sizes.items() if n > MAX_LINES[Path(p).suffix]}
+    assert not too_big, f"split by idea: {too_big}"
