@@ -177,6 +177,7 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = proto.parse_completion_request(body)
+        _log_ignored(request, req.ignored)
         self._admit(req.model, len(req.prompts) * req.params.n)
         inputs = self._inputs()
 
@@ -202,6 +203,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = proto.parse_chat_request(body)
+        _log_ignored(request, req.ignored)
         self._admit(req.model, req.params.n)
         inputs = self._inputs()
 
@@ -416,3 +418,12 @@ def _unavailable(message: str, code: str = "unavailable") -> APIError:
 def _error_response(exc: APIError) -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
     return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def _log_ignored(request: web.Request, names: tuple[str, ...]) -> None:
+    """Name, in the log, the fields of a request that this server does not know and so
+    ignores (vLLM's behaviour): whoever sent them can find out why they had no effect."""
+    if names:
+        log.warning(
+            "%s: ignored fields this server does not know: %s", request.path, ", ".join(names)
+        )

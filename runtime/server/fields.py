@@ -110,9 +110,53 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return bias
 
 
-# Fields of OpenAI's API this server does not implement: silently ignoring them would return
-# plain text to a client that asked for tool calls, JSON or a suffix, so they are refused.
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call")
+# Fields of OpenAI's API, and vLLM's own, that change what is generated and that this server
+# does not implement: silently ignoring them would return plain text to a client that asked
+# for tool calls, JSON, a grammar or a suffix, so they are refused by name.
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "bad_words",
+    "allowed_token_ids",
+    "logits_processors",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+)
+
+# Fields read from both endpoints' bodies, and OpenAI's bookkeeping fields, which change
+# nothing generated. Any other field is one this server does not know: it is accepted and
+# named in a warning in the log, as vLLM does (a client built for another server's extras
+# keeps working), and README's "Limits and errors" says so.
+_SHARED_FIELDS = frozenset(
+    (
+        *UNSUPPORTED_FIELDS,
+        *("model", "max_tokens", "n", "best_of", "seed", "stream", "stream_options", "user"),
+        *("temperature", "top_p", "top_k", "min_p", "logit_bias", "logprobs"),
+        *("repetition_penalty", "presence_penalty", "frequency_penalty"),
+        *("stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens"),
+        *("skip_special_tokens", "response_format", "guided_decoding_backend"),
+        *("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"),
+    )
+)
+COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix"}
+CHAT_FIELDS = _SHARED_FIELDS | {
+    *("messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"),
+    *("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"),
+}
+
+
+def unknown_fields(body: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    """The body's fields this server does not know, sorted (for the log's warning); a null
+    asks for nothing, so it is not named."""
+    return tuple(sorted(k for k, v in body.items() if k not in known and v is not None))
 
 
 def _asks_for_nothing(name: str, value: Any) -> bool:
@@ -125,6 +169,10 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
         return isinstance(value, list) and not value
     if name in ("tool_choice", "function_call"):
         return value == "none"
+    if name in ("bad_words", "logits_processors"):
+        return isinstance(value, list) and not value
+    if name == "use_beam_search":
+        return value is False
     return False
 
 

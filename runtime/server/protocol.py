@@ -11,6 +11,8 @@ from typing import Any
 from kvfleet.runtime.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfleet.runtime.server.errors import APIError
 from kvfleet.runtime.server.fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
     get_field,
     int_list,
     is_int,
@@ -19,6 +21,7 @@ from kvfleet.runtime.server.fields import (
     sampling_params,
     stream_options,
     type_name,
+    unknown_fields,
     unsupported,
 )
 
@@ -35,6 +38,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    ignored: tuple[str, ...] = ()  # fields this server does not know, for the log
 
 
 @dataclass(slots=True)
@@ -55,6 +59,7 @@ class ChatRequest:
     include_usage: bool
     template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    ignored: tuple[str, ...] = ()  # fields this server does not know, for the log
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -81,6 +86,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         include_usage=usage,
         echo=echo,
         continuous_usage=continuous,
+        ignored=unknown_fields(body, COMPLETION_FIELDS),
     )
 
 
@@ -141,6 +147,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         include_usage=usage,
         template=_chat_template_options(body, messages),
         continuous_usage=continuous,
+        ignored=unknown_fields(body, CHAT_FIELDS),
     )
 
 

@@ -1,10 +1,12 @@
 """Request fields on `kvfleet serve`: `logit_bias` through the official openai client bans and
 forces tokens on both endpoints, a bad bias is a 400 with `param: "logit_bias"`; fields the
-server does not implement (tools, JSON mode, suffix, best_of > n) are a 400 naming them, not
-silently ignored, while harmless bookkeeping fields still pass."""
+server does not implement (tools, JSON mode, vLLM's guided decoding, suffix, best_of > n) are
+a 400 naming them, not silently ignored, while harmless bookkeeping fields still pass and
+fields the server does not know are served and named in its log."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +126,17 @@ def test_bad_logit_bias_is_a_400_naming_it(tiny_server, model, path, bias, words
         (COMPLETIONS, "suffix", "none"),  # text, not the tool_choice keyword
         (COMPLETIONS, "best_of", 3),
         (CHAT, "tool_choice", "required"),
+        # vLLM's own fields that change what is generated: refused until implemented
+        (CHAT, "guided_json", {"type": "object"}),
+        (COMPLETIONS, "guided_regex", "[0-9]+"),
+        (COMPLETIONS, "guided_choice", ["yes", "no"]),
+        (CHAT, "guided_grammar", 'root ::= "a"'),
+        (CHAT, "structured_outputs", {"json": {"type": "object"}}),
+        (COMPLETIONS, "bad_words", ["Paris"]),
+        (COMPLETIONS, "allowed_token_ids", [1, 2]),
+        (COMPLETIONS, "prompt_logprobs", 1),
+        (CHAT, "truncate_prompt_tokens", 8),
+        (COMPLETIONS, "use_beam_search", True),
     ],
 )
 def test_unsupported_field_is_a_400_naming_it(tiny_server, model, path, field, value):
@@ -140,12 +153,27 @@ def test_the_openai_client_gets_a_bad_request_for_tools(tiny_client, model):
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_field_the_server_does_not_know_is_served_and_named_in_the_log(tiny_server, model, path):
+    field = "kvfleet_test_unknown_" + ("chat" if path == CHAT else "completion")
+    r = request(tiny_server.port, "POST", path, body(path, model, **{field: 1}))
+    assert r.status == 200, r.body
+    deadline = time.monotonic() + 5
+    while field not in tiny_server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"{path}: ignored fields this server does not know: {field}" in tiny_server.log()
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_harmless_and_no_op_fields_are_accepted(tiny_server, model, path):
     fields = {
         "user": "u-1",
         "metadata": {"team": "search"},
         "store": False,
         "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "guided_json": None,
+        "use_beam_search": False,
+        "bad_words": [],
         "response_format": {"type": "text"},
         "best_of": 2,
         "n": 2,
@@ -161,6 +189,14 @@ def test_harmless_and_no_op_fields_are_accepted(tiny_server, model, path):
     r = request(tiny_server.port, "POST", path, body(path, model, **fields))
     assert r.status == 200, r.body
     assert len(r.json()["choices"]) == 2
+    marker = "ignored fields this server does not know: "
+    warned = {
+        name
+        for line in tiny_server.log().splitlines()
+        if marker in line
+        for name in line.split(marker, 1)[1].split(", ")
+    }
+    assert not warned & set(fields)
 
 
 @pytest.mark.parametrize(
