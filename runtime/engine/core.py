@@ -254,8 +254,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         longest = max(self.max_model_len - 9, 8)
         self._generate_unseen([(8, 2)], vocab)
-        self.scheduler.step_times = StepTimeModel()  # first calls are slow: forget them
-        if self.config.max_step_time_ratio > 0:  # only the prompt bound reads the model
+        if self.scheduler.step_times is not None:  # only the prompt bound reads step times
+            self.scheduler.step_times = StepTimeModel()  # first calls are slow: forget them
             self._generate_unseen([(min(16 * (k + 1), longest), k + 1) for k in range(8)], vocab)
             self._generate_unseen([(min(64, longest), 2)] * 2, vocab)
             self._generate_unseen([(min(24, longest), 2)], vocab)
@@ -301,10 +301,11 @@ class EngineCore:
         rows = result.sample_rows
         picks = self._sample(result.logits, rows, result.argmax) if rows else []
         # The step's time, forward and sampling (which waits for the device): what the
-        # scheduler sizes the next steps' prompt share by.
-        seconds = time.perf_counter() - started
-        decodes = batch.num_tokens.count(1)
-        self.scheduler.step_times.observe(batch.total_tokens - decodes, decodes, seconds)
+        # scheduler sizes the next steps' prompt share by, where it bounds that share.
+        step_times = self.scheduler.step_times
+        if step_times is not None:
+            decodes = batch.num_tokens.count(1)
+            step_times.observe(batch.total_tokens - decodes, decodes, time.perf_counter() - started)
         touched: list[Request] = []
         failed: list[SequenceOutput] = []
         now = time.monotonic()

@@ -106,7 +106,6 @@ class LLMEngine:
     kv = property(lambda self: self.core.kv)
     scheduler = property(lambda self: self.core.scheduler)
     runner = property(lambda self: self.core.runner)
-    sampler = property(lambda self: self.core.sampler)
     model = property(lambda self: self.core.model)
     model_config = property(lambda self: self.core.model_config)
     model_folder = property(lambda self: self.core.model_folder)

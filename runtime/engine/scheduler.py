@@ -71,8 +71,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        # Steps' durations as the engine measures them: what the prompt allowance is sized by.
-        self.step_times = StepTimeModel()
+        # Steps' durations as the engine measures them, what the prompt allowance is sized by:
+        # kept only where there is an allowance to size (chunked prefill, a ratio set).
+        bounded = config.enable_chunked_prefill and config.max_step_time_ratio > 0
+        self.step_times = StepTimeModel() if bounded else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.requests: dict[str, Request] = {}
@@ -185,7 +187,7 @@ class Scheduler:
         streams than the first tokens it brings forward. Returns the allowance, None where
         there is none."""
         c = self.config
-        if not c.enable_chunked_prefill or c.max_step_time_ratio <= 0:
+        if self.step_times is None:
             return None
         allowance = self.step_times.prompt_allowance(decode_rows, c.max_step_time_ratio)
         if allowance is None:
