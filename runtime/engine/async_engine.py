@@ -169,7 +169,7 @@ class AsyncEngine:
         assert self._outputs is not None and self._client is not None
         self.stats = step.stats
         for request_id, why in step.refused:
-            self._outputs.fail(request_id.partition("#")[0], why)
+            self._outputs.fail(request_id.partition("#")[0], why, step.now)
         for reason, ids in self._outputs.process(step.outputs, step.now).items():
             self._client.send(AbortRequests(ids, reason))
 

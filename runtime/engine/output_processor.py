@@ -158,15 +158,11 @@ class OutputProcessor:
         self._forget(prompt)
         return running
 
-    def fail(self, group_id: str, message: str) -> None:
+    def fail(self, group_id: str, message: str, now: float) -> None:
         """End a prompt with an error the core could not report (it refused the sequences)."""
         prompt = self._prompts.get(group_id)
-        if prompt is None:
-            return
-        for seq in prompt.sequences:
-            seq.finish_reason = seq.finish_reason or "error"
-        self._forget(prompt)
-        prompt.sink(RequestDelta(prompt.prompt_index, [], True, error=message))
+        if prompt is not None:
+            self._fail(prompt, message, now)
 
     def process(self, outputs: list[SequenceOutput], now: float) -> dict[str, list[str]]:
         """Apply one step's outputs and hand each touched prompt its delta; return the
