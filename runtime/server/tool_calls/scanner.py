@@ -1,0 +1,58 @@
+"""What a format's parser is built on: a scanner fed the model's text piece by piece that
+reports, in order, the text and the calls it has settled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvfleet.runtime.server.tool_calls.parsed_call import ParsedToolCall
+
+# Settled output: text as it is, or a whole call. A scanner reports each piece of text once it
+# knows the piece cannot belong to a call, and each call once its JSON is complete and valid.
+Event = str | ParsedToolCall
+
+
+class Scanner(Protocol):
+    """Split-invariant: any split of a text into feeds gives the same events, text joined."""
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+
+@dataclass(slots=True)
+class BufferedScanner:
+    """A scanner that keeps its unsettled text in `buf` and settles what it can on each feed
+    (`final`: at the end of the message, everything)."""
+
+    buf: str = ""
+
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        return self._scan(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._scan(final=True)
+
+    def _scan(self, final: bool) -> list[Event]:
+        raise NotImplementedError
+
+
+def held_prefix_len(text: str, marker: str) -> int:
+    """How many trailing characters of text could be the start of marker (cut by a delta)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_at_marker(text: str, marker: str) -> tuple[str, str | None]:
+    """(the text that is certainly not marker, the rest from marker on or None if absent).
+
+    Without the marker, the rest keeps back a tail that may yet become it."""
+    at = text.find(marker)
+    if at >= 0:
+        return text[:at], text[at:]
+    keep = held_prefix_len(text, marker)
+    return text[: len(text) - keep], None
