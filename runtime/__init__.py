@@ -1,6 +1,6 @@
 """kvfleet.runtime: the paged-attention serving engine.
 
-`LLM` and `SamplingParams` are loaded on first use so that importing `kvfleet.runtime`
+`LLM`, `SamplingParams` and `StructuredOutputsParams` are loaded on first use so that importing `kvfleet.runtime`
 (e.g. for the CLI's `kvfleet operator`) does not pull in torch.
 """
 
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.llm import LLM
     from kvfleet.runtime.engine.sampling_params import SamplingParams
+    from kvfleet.runtime.engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from kvfleet.runtime.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from kvfleet.runtime.engine.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'kvfleet.runtime' has no attribute {name!r}")

@@ -27,6 +27,7 @@ from kvfleet.runtime.engine.core_messages import (
 )
 from kvfleet.runtime.engine.input_processor import InputProcessor
 from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestDelta
+from kvfleet.runtime.engine.structured_outputs import warm_grammar_engine
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.config import EngineConfig
@@ -82,6 +83,9 @@ class AsyncEngine:
             tokenizer = await asyncio.to_thread(
                 load_engine_tokenizer, self.config, self.info.model_folder
             )
+            # The grammar engine, loaded now: a first structured-output request would
+            # otherwise import it on the event loop.
+            await asyncio.to_thread(warm_grammar_engine)
         except BaseException as exc:
             # Cancelled (a signal while loading) or failed: a core still loading reads no
             # messages, so it is not asked to stop but killed.

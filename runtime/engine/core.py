@@ -24,6 +24,7 @@ from kvfleet.runtime.engine.core_messages import (
 )
 from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.engine.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from kvfleet.runtime.engine.grammar_matchers import CompilingRequests, GrammarCompiler
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request, TokenLogprob
@@ -135,6 +136,10 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.grammars = GrammarCompiler(mc.vocab_size, self._load_tokenizer)
+        # Constrained sequences join the scheduler once their grammar is compiled, so a new
+        # schema never holds up the step loop.
+        self._compiling = CompilingRequests(self.grammars)
         self.counters = EngineCounters()
         # Sequences sent out since their last output, by id: the step's outputs are built from
         # these, holding only what is new.
@@ -150,6 +155,14 @@ class EngineCore:
             str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
         )
+
+    def _load_tokenizer(self) -> object:
+        """The model's tokenizer, for the grammar compiler's view of the vocabulary (the core
+        needs it for nothing else)."""
+        from kvfleet.runtime.engine.llm_engine import load_engine_tokenizer
+
+        folder = str(self.model_folder) if self.model_folder is not None else None
+        return load_engine_tokenizer(self.config, folder)
 
     def _set_workers(self, workers: TPWorkers) -> None:
         self.workers = workers  # from here on a failure in __init__ closes them
@@ -186,6 +199,8 @@ class EngineCore:
         """Stop the tensor-parallel workers and leave the process group (no-op without)."""
         import torch.distributed as dist
 
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
@@ -210,10 +225,13 @@ class EngineCore:
             for r in requests
         ]
         for r in built:
-            if r.request_id in self.scheduler.requests:
+            if r.request_id in self.scheduler.requests or r.request_id in self._compiling:
                 raise ValueError(f"request_id: {r.request_id!r} is already in use")
-        for r in built:
-            self.scheduler.add(r)
+        for r, sent in zip(built, requests, strict=True):
+            if sent.grammar is not None:
+                self._compiling.add(r, sent.grammar)
+            else:
+                self.scheduler.add(r)
             self._sent[r.request_id] = -1  # nothing reported yet, not even the first output
             if r.index == 0:  # n completions share one prompt: counted once, as vLLM does
                 self.counters.prompt_tokens += len(r.prompt_token_ids)
@@ -223,18 +241,23 @@ class EngineCore:
         """End sequences at once and free their blocks (unknown or finished ids are skipped).
         `reason` is what the server decided: "abort", or "stop" for a stop string."""
         for rid in request_ids:
-            request = self.scheduler.requests.get(rid)
+            request = self.scheduler.requests.get(rid) or self._compiling.pop(rid, None)
             if request is not None:
                 self._finish(request, reason)
             self._sent.pop(rid, None)
 
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet admitted: queued, or waiting for their grammar."""
+        return self.scheduler.num_waiting + len(self._compiling)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.num_waiting,
             kv_cache_usage=self.kv.usage,
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
@@ -282,6 +305,10 @@ class EngineCore:
     def step(self) -> list[SequenceOutput]:
         """Schedule and run one batch; return the sequences that gained tokens or ended."""
         self.check_health()
+        if self._compiling:
+            # With nothing else to run, wait (briefly, not spinning) for a compile to end.
+            for r in self._compiling.take_ready(wait=not self.scheduler.has_unfinished()):
+                self.scheduler.add(r)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -315,7 +342,15 @@ class EngineCore:
             if isinstance(pick, Exception):
                 failed.extend(self._fail_group(r, pick))
                 continue
+            if r.grammar is not None:
+                try:
+                    r.grammar.accept(pick[0])
+                except Exception as exc:
+                    failed.extend(self._fail_group(r, exc))
+                    continue
             self._append_token(r, *pick, now)
+            if r.grammar is not None and r.grammar.terminated:
+                self._finish(r, "stop")  # complete: e.g. under ignore_eos, nothing may follow
             touched.append(r)
         return [self._output(r) for r in touched if r.request_id in self._sent] + failed
 
@@ -347,10 +382,13 @@ class EngineCore:
         log.error("request %s failed; the engine goes on", request.group_id, exc_info=exc)
         message = failure_message(exc)
         siblings = [
-            r for r in list(self.scheduler.requests.values()) if r.group_id == request.group_id
+            r
+            for r in [*self.scheduler.requests.values(), *self._compiling]
+            if r.group_id == request.group_id
         ]
         outputs = []
         for r in [request, *(s for s in siblings if s is not request)]:
+            self._compiling.pop(r.request_id, None)
             self._finish(r, "error")
             if self._sent.pop(r.request_id, None) is not None:
                 outputs.append(

@@ -32,6 +32,9 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     group_id: str
     index: int  # which of the group's n completions (its seed is the request's seed + index)
     arrival_time: float  # time.monotonic() in the server process (one clock per host)
+    # Its structured-output constraint, converted by the input processor: a serialized
+    # xgrammar Grammar (structured_outputs.grammar_of), compiled by the core.
+    grammar: str | None = None
 
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):

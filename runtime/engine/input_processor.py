@@ -12,8 +12,9 @@ from typing import Any
 
 from kvfleet.runtime.engine.core_messages import CoreInfo, CoreRequest
 from kvfleet.runtime.engine.prompt_chars import max_prompt_chars
-from kvfleet.runtime.engine.request_limits import check_request
+from kvfleet.runtime.engine.request_limits import RequestError, check_request
 from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.structured_outputs import StructuredOutputError, grammar_of
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,16 @@ class InputProcessor:
         its resolved max_tokens."""
         return check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
+    def grammar(self, params: SamplingParams) -> str | None:
+        """The request's structured-output constraint converted for the core (RequestError
+        naming `structured_outputs.<kind>` when it cannot be enforced), or None."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return grammar_of(params.structured_outputs)
+        except StructuredOutputError as exc:
+            raise RequestError(f"structured_outputs.{exc.field}", exc.message) from None
+
     def sequences(
         self,
         group_id: str,
@@ -95,6 +106,7 @@ class InputProcessor:
         was already. Ids: the group's own for n = 1, `group#i` for each of n > 1."""
         if max_tokens is None:
             max_tokens = self.validate(prompt_token_ids, params)
+        grammar = self.grammar(params)
         return [
             CoreRequest(
                 group_id if params.n == 1 else f"{group_id}#{i}",
@@ -105,6 +117,7 @@ class InputProcessor:
                 group_id,
                 i,
                 arrival_time,
+                grammar,
             )
             for i in range(params.n)
         ]

@@ -195,7 +195,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.core.scheduler.num_waiting
+        return self.core.num_waiting
 
     def warm_up(self) -> None:
         self.core.warm_up()

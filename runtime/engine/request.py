@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from kvfleet.runtime.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.engine.grammar_matchers import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +60,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    grammar: SequenceGrammar | None = None  # its structured-output constraint, if any
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import torch
 from kvfleet.kernels import dispatch
+from kvfleet.runtime.engine.grammar_matchers import TokenBitmask
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 
 
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.bitmask = TokenBitmask()
 
     @torch.inference_mode()
     def __call__(
@@ -39,6 +41,12 @@ class Sampler:
         given = logits
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_constraints(logits, requests)
+        grammars = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        if grammars:
+            # Structured outputs: every token a constrained row's grammar forbids is masked,
+            # in one call for all such rows; unconstrained rows are not touched.
+            logits = logits.clone() if logits is given else logits
+            self.bitmask.apply(logits, grammars)
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if len(greedy) == len(requests) and argmax is not None and logits is given:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.engine.structured_outputs import StructuredOutputsParams
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; `field` names it (the HTTP layer maps it to `param`)."""
@@ -53,6 +55,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id → value added to its logit before any other processing (-100 bans, +100 forces).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # What the text must be (a JSON schema, a regex, ...): enforced while decoding.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvfleet.runtime.engine.sampling_params import SamplingParams, SamplingParamsError
 from kvfleet.runtime.server.errors import APIError
+from kvfleet.runtime.server.structured_fields import GUIDED_FIELDS, structured_outputs
 
 MAX_N = 64  # completions per prompt: beyond this one request could monopolise the batch
 # Every integer field is a signed 64-bit integer (as in vLLM); field-specific ranges come on top.
@@ -112,17 +113,13 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
 
 # Fields of OpenAI's API, and vLLM's own, that change what is generated and that this server
 # does not implement: silently ignoring them would return plain text to a client that asked
-# for tool calls, JSON, a grammar or a suffix, so they are refused by name.
+# for tool calls, a suffix or banned words, so they are refused by name.
 UNSUPPORTED_FIELDS = (
     "tools",
     "tool_choice",
     "functions",
     "function_call",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
+    "guided_whitespace_pattern",
     "bad_words",
     "allowed_token_ids",
     "logits_processors",
@@ -143,6 +140,8 @@ _SHARED_FIELDS = frozenset(
         *("repetition_penalty", "presence_penalty", "frequency_penalty"),
         *("stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens"),
         *("skip_special_tokens", "response_format", "guided_decoding_backend"),
+        *GUIDED_FIELDS,
+        "structured_outputs",
         *("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"),
     )
 )
@@ -180,17 +179,6 @@ def reject_unsupported(body: dict[str, Any], extra: tuple[str, ...] = ()) -> Non
     for name in (*UNSUPPORTED_FIELDS, *extra):
         if not _asks_for_nothing(name, body.get(name)):
             raise unsupported(name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        what = (
-            f"type {response_format.get('type')!r}"
-            if isinstance(response_format, dict)
-            else f"a value of type {type_name(response_format)}"
-        )
-        raise unsupported(
-            "response_format",
-            f'{what} is not supported by this server; only {{"type": "text"}} is',
-        )
     best_of = get_field(body, "best_of", int)
     if best_of is not None and best_of != get_field(body, "n", int, 1):
         raise unsupported(
@@ -250,6 +238,7 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
             logit_bias=_logit_bias(body),
+            structured_outputs=structured_outputs(body),
         )
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
