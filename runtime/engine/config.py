@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from kvfleet.kernels.policy import BACKENDS, DEFAULT_POLICY, KernelPolicy
 
@@ -64,6 +65,9 @@ class EngineConfig:
     revision: str | None = None  # a Hub model's branch, tag or commit (None: main)
     hf_token: str | None = field(default=None, repr=False)  # None: $HF_TOKEN
     tokenizer: str | None = None  # None: the model's own (random:* models: the bundled one)
+    # A Jinja chat template, or a file holding one, used instead of the tokenizer's own (e.g.
+    # one that shows tools to the model). Resolved to the template's text here.
+    chat_template: str | None = None
     dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU runs it fast, else float32
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 halves the cache (lossy)
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -142,10 +146,29 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.chat_template is not None:
+            self.chat_template = resolve_chat_template(self.chat_template)
         if not isinstance(self.kernel_policy, KernelPolicy):
             raise ConfigError(
                 f"kernel_policy: must be a KernelPolicy, got {type(self.kernel_policy).__name__}"
             )
+
+
+def resolve_chat_template(value: str) -> str:
+    """--chat-template's text: the file it names, or the value itself when it is a template."""
+    path = Path(value).expanduser()
+    if "{{" not in value and "{%" not in value:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"chat_template: {value[:200]!r} is neither a readable file nor a Jinja template "
+                f"({exc.strerror or exc})"
+            ) from None
+        if "{{" not in text and "{%" not in text:
+            raise ConfigError(f"chat_template: {value} holds no Jinja template")
+        return text
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +196,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokenizer to use instead of the model's: a folder with tokenizer files, a .gguf "
         "file or 'bundled' (default: the model's own)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) to use instead of the "
+        "tokenizer's own, e.g. one that renders tools",
     )
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
     g.add_argument(

@@ -54,12 +54,15 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation rendered by the model's chat template. With
         `continue_final_message` the last (assistant) message is left open for the reply to
-        extend; `template_kwargs` are extra template variables (e.g. enable_thinking)."""
+        extend; `template_kwargs` are extra template variables (e.g. enable_thinking);
+        `tools` the functions offered, in OpenAI's form, for templates that show them."""
         return self.tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

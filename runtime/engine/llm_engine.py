@@ -27,12 +27,16 @@ from kvfleet.runtime.engine.sampling_params import SamplingParams
 
 def load_engine_tokenizer(config: EngineConfig, model_folder: str | None) -> Any:
     """The tokenizer a core's model needs: --tokenizer, else the model's own folder, else the
-    model value (random:* models get the bundled one)."""
+    model value (random:* models get the bundled one); with --chat-template's template."""
     from kvfleet.runtime.models.loader import load_tokenizer, resolve_tokenizer
 
     if config.tokenizer:
-        return load_tokenizer(resolve_tokenizer(config.tokenizer))
-    return load_tokenizer(model_folder if model_folder is not None else config.model)
+        tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer))
+    else:
+        tokenizer = load_tokenizer(model_folder if model_folder is not None else config.model)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from kvfleet.runtime.server import responses
 from kvfleet.runtime.server.errors import APIError, api_error
 from kvfleet.runtime.server.generation import ResponseWriter
 from kvfleet.runtime.server.json_body import parse_json_body
+from kvfleet.runtime.server.tool_calls.chat_reply import tool_call_replies
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvfleet import __version__, contract
@@ -54,6 +55,8 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting_requests: int = 256
     max_body_bytes: int = 1024 * 1024
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice auto reads calls
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
 
 
 class OpenAIServer:
@@ -204,11 +207,14 @@ class OpenAIServer:
         body = await self._json(request)
         req = proto.parse_chat_request(body)
         _log_ignored(request, req.ignored)
+        s = self.settings
+        replies = tool_call_replies(req.tools, req.params, s.tool_call_parser, s.auto_tool_choice)
         self._admit(req.model, req.params.n)
         inputs = self._inputs()
+        tools = req.tools.template_tools() if req.tools is not None else None
 
         def prepare() -> list[int]:
-            text = _render_chat(inputs, req.messages, req.template)
+            text = _render_chat(inputs, req.messages, req.template, tools)
             # The template wrote the special tokens: none are added.
             return self._encode(inputs, text, "messages", add_special_tokens=False)
 
@@ -216,8 +222,8 @@ class OpenAIServer:
         (prompt,) = self._sequences(inputs, [token_ids], req.params, prompt_field="messages")
         with self._track():
             if req.stream:
-                return await self._writer.stream_chat(request, req, prompt)
-            return await self._writer.full_chat(req, prompt)
+                return await self._writer.stream_chat(request, req, prompt, replies)
+            return await self._writer.full_chat(req, prompt, replies)
 
     # --- tokenizer (vLLM's extra endpoints: count tokens, see ids, without generating) --------
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -399,11 +405,14 @@ class _Tracker:
 
 
 def _render_chat(
-    inputs: InputProcessor, messages: list[dict[str, str]], opts: proto.ChatTemplateOptions
+    inputs: InputProcessor,
+    messages: list[dict[str, Any]],
+    opts: proto.ChatTemplateOptions,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     try:
         return inputs.render_chat(
-            messages, opts.add_generation_prompt, opts.continue_final_message, opts.kwargs
+            messages, opts.add_generation_prompt, opts.continue_final_message, opts.kwargs, tools
         )
     except Exception as exc:  # a template that rejects the conversation (e.g. role order)
         raise APIError(

@@ -17,6 +17,7 @@ import os
 import sys
 
 from kvfleet.runtime.engine.config import ConfigError, add_engine_args, engine_config_from_args
+from kvfleet.runtime.server.tool_calls.parsers import TOOL_CALL_PARSERS
 
 from kvfleet import contract
 
@@ -67,6 +68,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="largest request body accepted (413 beyond)",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default when tools are given): the model decides '
+        "whether to call, and --tool-call-parser reads its calls",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="the model family's tool-call format: hermes (Hermes, Qwen2.5/3), llama3_json "
+        "(Llama 3.x), mistral",
+    )
+    g.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -83,6 +97,11 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"drain_timeout: must be >= 0 seconds, got {args.drain_timeout}")
     if args.max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes: must be >= 1, got {args.max_body_bytes}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError(
+            "tool_call_parser: --enable-auto-tool-choice needs --tool-call-parser (choose one "
+            f"of {', '.join(sorted(TOOL_CALL_PARSERS))})"
+        )
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -139,6 +158,8 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
         api_key=key,
         max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
+        auto_tool_choice=args.enable_auto_tool_choice,
     )
     server = OpenAIServer(engine, metrics, settings)
     runner = OpenAIAppRunner(server.app(), handler_cancellation=True, access_log=None)

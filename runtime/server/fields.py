@@ -115,8 +115,6 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
 # does not implement: silently ignoring them would return plain text to a client that asked
 # for tool calls, a suffix or banned words, so they are refused by name.
 UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "guided_whitespace_pattern",
@@ -145,9 +143,11 @@ _SHARED_FIELDS = frozenset(
         *("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"),
     )
 )
-COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix"}
+# tools are the chat endpoint's: on /v1/completions they are refused unless they ask for nothing.
+COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "suffix", "tools", "tool_choice"}
 CHAT_FIELDS = _SHARED_FIELDS | {
     *("messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"),
+    *("tools", "tool_choice"),
     *("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"),
 }
 
@@ -160,8 +160,7 @@ def unknown_fields(body: dict[str, Any], known: frozenset[str]) -> tuple[str, ..
 
 def _asks_for_nothing(name: str, value: Any) -> bool:
     """Absent, or a value client frameworks send by default that asks for nothing: no tools,
-    or "do not call one", which is what this server does anyway. (parallel_tool_calls only
-    shapes tool calls, which are refused, so it is accepted whatever it says.)"""
+    or "do not call one"."""
     if value is None:
         return True
     if name in ("tools", "functions"):

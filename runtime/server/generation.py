@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from kvfleet.runtime.engine.async_engine import AsyncEngine
     from kvfleet.runtime.engine.core_messages import CoreRequest
     from kvfleet.runtime.engine.request import TokenLogprob
+    from kvfleet.runtime.server.tool_calls.chat_reply import ToolCallReply
+
+    ReplyFactory = Callable[[], ToolCallReply]
 
 
 class ResponseWriter:
@@ -71,25 +74,35 @@ class ResponseWriter:
             }
         )
 
-    async def full_chat(self, req: proto.ChatRequest, prompt: list[CoreRequest]) -> web.Response:
+    async def full_chat(
+        self,
+        req: proto.ChatRequest,
+        prompt: list[CoreRequest],
+        replies: ReplyFactory | None = None,
+    ) -> web.Response:
+        """`replies`: where tools were offered, what reads each choice's calls."""
         choices = [responses.ChoiceSoFar() for _ in range(req.params.n)]
         async for d in self.engine.generate(uuid.uuid4().hex, [prompt]):
             for c in d.completions:
                 choices[c.index].take(c)
-        body = [
-            {
-                "index": k,
-                "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": (
-                    responses.chat_logprobs(c.logprobs, self._token_text)
-                    if c.logprobs is not None
-                    else None
-                ),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for k, c in enumerate(choices)
-        ]
+        body = []
+        for k, c in enumerate(choices):
+            text, finish_reason = "".join(c.text), c.finish_reason
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if replies is not None:
+                message, finish_reason = replies().message(text, finish_reason)
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = responses.chat_logprobs(c.logprobs, self._token_text)
+            body.append(
+                {
+                    "index": k,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return web.json_response(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -167,7 +180,11 @@ class ResponseWriter:
         return await self._stream(request, sse, events)
 
     async def stream_chat(
-        self, request: web.Request, req: proto.ChatRequest, prompt: list[CoreRequest]
+        self,
+        request: web.Request,
+        req: proto.ChatRequest,
+        prompt: list[CoreRequest],
+        replies: ReplyFactory | None = None,
     ) -> web.StreamResponse:
         sse = _SSE(
             request, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", self.model_name, req
@@ -175,6 +192,7 @@ class ResponseWriter:
         sse.prompt_tokens = _prompt_tokens([prompt])
         n = req.params.n
         wants_logprobs = req.params.logprobs is not None
+        readers = [replies() for _ in range(n)] if replies is not None else None
 
         async def events() -> None:
             await sse.send(
@@ -191,11 +209,23 @@ class ResponseWriter:
                     lp = None
                     if wants_logprobs and c.logprobs:
                         lp = responses.chat_logprobs(c.logprobs, self._token_text)
-                    if c.text or lp:
-                        chunk.append(_chat_choice(c.index, {"content": c.text}, lp, None))
+                    if readers is None:
+                        if c.text or lp:
+                            chunk.append(_chat_choice(c.index, {"content": c.text}, lp, None))
+                        if c.finish_reason is not None:
+                            # finish_reason travels alone in the choice's last chunk.
+                            finals.append(_chat_choice(c.index, {}, None, c.finish_reason))
+                        continue
+                    # Tools offered: the text is read for calls; each fragment is a chunk of
+                    # its own, as OpenAI streams them (one delta per choice per chunk).
+                    reader = readers[c.index]
+                    fragments = reader.feed(c.text)
                     if c.finish_reason is not None:
-                        # finish_reason travels alone in the choice's last chunk.
-                        finals.append(_chat_choice(c.index, {}, None, c.finish_reason))
+                        rest, reason = reader.finish(c.finish_reason)
+                        fragments.extend(rest)
+                        finals.append(_chat_choice(c.index, {}, None, reason))
+                    for f in fragments:
+                        await sse.send([_chat_choice(c.index, f, None, None)])
                 if chunk:
                     await sse.send(chunk)
                 if finals:

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.runtime.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvfleet.runtime.engine.structured_outputs import (
+    StructuredOutputError,
+    StructuredOutputsParams,
+    grammar_of,
+)
 from kvfleet.runtime.server.errors import APIError
 from kvfleet.runtime.server.fields import (
     CHAT_FIELDS,
@@ -24,9 +29,18 @@ from kvfleet.runtime.server.fields import (
     unknown_fields,
     unsupported,
 )
+from kvfleet.runtime.server.tool_calls.forced import named_schema, required_schema
+from kvfleet.runtime.server.tool_calls.messages import chat_message
+from kvfleet.runtime.server.tool_calls.request import ToolsRequest, parse_tools
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 @dataclass(slots=True)
@@ -53,11 +67,12 @@ class ChatTemplateOptions:
 @dataclass(slots=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: SamplingParams
     stream: bool
     include_usage: bool
     template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
+    tools: ToolsRequest | None = None  # the tools offered, and how they may be called
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     ignored: tuple[str, ...] = ()  # fields this server does not know, for the log
 
@@ -66,7 +81,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a /v1/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, f"body: must be a JSON object, got {type_name(body)}")
-    reject_unsupported(body, ("suffix",))
+    reject_unsupported(body, ("suffix", "tools", "tool_choice"))
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt: is required", param="prompt")
     prompts = _prompts(body["prompt"])
@@ -139,16 +154,46 @@ def parse_chat_request(body: Any) -> ChatRequest:
         )
     logprobs = (top or 0) if want_logprobs else None
     usage, continuous = stream_options(body, stream)
+    params = sampling_params(body, max_tokens, logprobs)
+    tools = parse_tools(body)
+    if tools is not None and tools.choice in ("required", "named"):
+        params.structured_outputs = _forced_call(tools, params.structured_outputs)
     return ChatRequest(
         model=model_field(body),
         messages=messages,
-        params=sampling_params(body, max_tokens, logprobs),
+        params=params,
         stream=stream,
         include_usage=usage,
         template=_chat_template_options(body, messages),
+        tools=tools,
         continuous_usage=continuous,
         ignored=unknown_fields(body, CHAT_FIELDS),
     )
+
+
+def _forced_call(
+    tools: ToolsRequest, constraint: StructuredOutputsParams | None
+) -> StructuredOutputsParams:
+    """tool_choice "required" or a named function, enforced as vLLM does: the output is
+    constrained to the calls' JSON (forced.py), so the arguments always match the schema."""
+    if constraint is not None:
+        raise APIError(
+            400,
+            "tool_choice: a required or named tool call cannot be combined with "
+            "response_format or another output constraint",
+            param="tool_choice",
+        )
+    schema = required_schema(tools) if tools.choice == "required" else named_schema(tools)
+    params = StructuredOutputsParams(json=schema)
+    try:
+        grammar_of(params)
+    except StructuredOutputError as exc:
+        raise APIError(
+            400,
+            f"tools: the tools' parameters cannot be enforced: {exc.message}",
+            param="tools",
+        ) from None
+    return params
 
 
 # apply_chat_template's own arguments: a template variable of one of these names would change
@@ -250,7 +295,7 @@ def parse_detokenize_request(body: Any) -> tuple[str | None, list[int]]:
     return model_field(body), int_list(body, "tokens")
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: must be a non-empty array", param="messages")
     out = []
@@ -265,6 +310,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                 f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 param=f"{where}.role",
             )
+        if role == "tool" or (role == "assistant" and m.get("tool_calls") is not None):
+            out.append(chat_message(m, where))
+            continue
         out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), where, role)})
     return out
 

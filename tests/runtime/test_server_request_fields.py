@@ -116,14 +116,12 @@ def test_bad_logit_bias_is_a_400_naming_it(tiny_server, model, path, bias, words
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (CHAT, "tools", [TOOL]),
-        (CHAT, "tool_choice", "auto"),
+        (COMPLETIONS, "tools", [TOOL]),  # tools are the chat endpoint's
         (CHAT, "functions", [TOOL["function"]]),
         (CHAT, "function_call", "auto"),
         (COMPLETIONS, "suffix", " world"),
         (COMPLETIONS, "suffix", "none"),  # text, not the tool_choice keyword
         (COMPLETIONS, "best_of", 3),
-        (CHAT, "tool_choice", "required"),
         # vLLM's own fields that change what is generated: refused until implemented
         (CHAT, "guided_whitespace_pattern", r"[ ]?"),
         (COMPLETIONS, "bad_words", ["Paris"]),
@@ -138,12 +136,13 @@ def test_unsupported_field_is_a_400_naming_it(tiny_server, model, path, field, v
     assert_400(r, field, field, "not supported by this server")
 
 
-def test_the_openai_client_gets_a_bad_request_for_tools(tiny_client, model):
+def test_tools_on_auto_without_a_parser_are_a_bad_request_naming_the_flags(tiny_client, model):
     with pytest.raises(openai.BadRequestError) as e:
         tiny_client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[TOOL]
         )
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

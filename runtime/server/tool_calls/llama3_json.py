@@ -93,6 +93,7 @@ class Llama3JsonParser(ToolCallParser):
     """`--tool-call-parser llama3_json`: Llama 3.1, 3.2 and 3.3 with their JSON tool prompt."""
 
     name = "llama3_json"
+    needs_special_tokens = True
 
     def scanner(self) -> Llama3JsonScanner:
         return Llama3JsonScanner()

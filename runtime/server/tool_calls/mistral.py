@@ -145,6 +145,7 @@ class MistralParser(ToolCallParser):
     Its call ids are 9 letters and digits: Mistral's templates refuse a turn with others."""
 
     name = "mistral"
+    needs_special_tokens = True
 
     def scanner(self) -> MistralScanner:
         return MistralScanner()

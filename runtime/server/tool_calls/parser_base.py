@@ -18,6 +18,8 @@ class ToolCallParser(ABC):
     text is lost and nothing raises."""
 
     name: ClassVar[str]
+    # The format's markers are special tokens, which detokenizing must then keep.
+    needs_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def scanner(self) -> Scanner:
