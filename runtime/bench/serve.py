@@ -100,6 +100,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and after the served run and report serving's throughput over theirs (needs --spawn; "
         "--serve-args go to the server only)",
     )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="the cost of structured outputs: the workload once plain and once with every "
+        "request constrained to this JSON schema (response_format), each on a fresh server "
+        "(needs --spawn)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument(
         "--plot",
@@ -238,14 +246,34 @@ async def _run_spawned(
     toggles: list[str],
     workload: list[tuple[list[int], int]],
     concurrency: int,
+    extra: dict[str, Any] | None = None,
 ) -> RunResult:
     async with spawned_server(args, toggles) as url:
         print(
             f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
-            f"{len(workload)} requests at concurrency {concurrency}",
+            f"{len(workload)} requests at concurrency {concurrency}"
+            + (f" with {', '.join(extra)}" if extra else ""),
             file=sys.stderr,
         )
-        return await drive(url, workload, concurrency, args.timeout)
+        return await drive(url, workload, concurrency, args.timeout, extra)
+
+
+async def _structured_cost(
+    args: argparse.Namespace, workload: list[tuple[list[int], int]]
+) -> dict[str, Any]:
+    """The workload plain, then with every request constrained to --json-schema."""
+    with open(args.json_schema) as f:
+        schema = json.load(f)
+    constraint = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    plain = await _run_spawned(args, [], workload, args.concurrency)
+    constrained = await _run_spawned(
+        args, [], workload, args.concurrency, {"response_format": constraint}
+    )
+    return {
+        **constrained.public(),
+        "structured_outputs": {"plain": plain.public(), "json_schema": constrained.public()},
+        "json_schema_ratio": constrained.output_tokens_per_s / plain.output_tokens_per_s,
+    }
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,6 +313,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             ["--no-enable-prefix-caching"],
             SHARED_PREFIX_CONCURRENCY,
         )
+    elif args.json_schema:
+        result.update(await _structured_cost(args, workload))
     elif args.long_prompt_every:
         result["long_prompt_every"] = args.long_prompt_every
         result["long_prompt_tokens"] = long_prompt_tokens(args)
@@ -343,18 +373,22 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    scenario = args.shared_prefix or args.long_prompt_every or args.concurrency_sweep
+    scenario = (
+        args.shared_prefix or args.long_prompt_every or args.concurrency_sweep or args.json_schema
+    )
     if (scenario or args.offline_baseline) and not args.spawn:
         print(
             "kvfleet bench serve: error: --shared-prefix, --long-prompt-every, "
-            "--concurrency-sweep and --offline-baseline start their own servers and need --spawn",
+            "--concurrency-sweep, --json-schema and --offline-baseline start their own servers "
+            "and need --spawn",
             file=sys.stderr,
         )
         return 2
     if scenario and args.offline_baseline:
         print(
             "kvfleet bench serve: error: --offline-baseline compares plain serving only; "
-            "leave out --shared-prefix, --long-prompt-every and --concurrency-sweep",
+            "leave out --shared-prefix, --long-prompt-every, --concurrency-sweep and "
+            "--json-schema",
             file=sys.stderr,
         )
         return 2

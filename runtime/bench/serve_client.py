@@ -96,11 +96,18 @@ def summarize(records: list[RequestRecord], duration: float, concurrency: int) -
 
 
 async def _one(
-    session: Any, url: str, model: str, prompt: list[int], output_len: int, timeout: float
+    session: Any,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    timeout: float,
+    extra: dict[str, Any] | None = None,
 ) -> RequestRecord:
     import aiohttp
 
     body = {
+        **(extra or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
@@ -165,9 +172,14 @@ def chunk_tokens(chunk: dict[str, Any], received: int) -> int:
 
 
 async def drive(
-    url: str, workload: list[tuple[list[int], int]], concurrency: int, timeout: float
+    url: str,
+    workload: list[tuple[list[int], int]],
+    concurrency: int,
+    timeout: float,
+    extra: dict[str, Any] | None = None,
 ) -> RunResult:
-    """Send every request, at most `concurrency` at once, and summarize."""
+    """Send every request, at most `concurrency` at once, and summarize; `extra`: fields
+    added to every request's body."""
     import asyncio
 
     import aiohttp
@@ -180,7 +192,7 @@ async def drive(
 
         async def limited(prompt: list[int], n: int) -> RequestRecord:
             async with sem:
-                return await _one(session, url, model, prompt, n, timeout)
+                return await _one(session, url, model, prompt, n, timeout, extra)
 
         start = time.perf_counter()
         records = await asyncio.gather(*(limited(p, n) for p, n in workload))

@@ -152,6 +152,12 @@ def _check_schema(spec: str) -> None:
         )
 
 
+# Keywords whose value maps names to schemas (a property called "not" is no keyword), and
+# those whose value is data, not a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples")
+
+
 def _unenforced(node: Any, path: str) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     if isinstance(node, dict):
@@ -161,8 +167,10 @@ def _unenforced(node: Any, path: str) -> list[tuple[str, str]]:
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             found.append((path, "allOf"))
         for key, value in node.items():
-            # Values under these keys are data, not schemas.
-            if key not in ("enum", "const", "default", "examples"):
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, schema in value.items():
+                    found.extend(_unenforced(schema, f"{path}/{key}/{name}"))
+            elif key not in _DATA:
                 found.extend(_unenforced(value, f"{path}/{key}"))
     elif isinstance(node, list):
         for i, value in enumerate(node):

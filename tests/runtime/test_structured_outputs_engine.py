@@ -115,3 +115,10 @@ def test_a_bad_constraint_is_refused_by_the_offline_api_naming_it(llm):
     with pytest.raises(RequestError) as e:
         llm.generate(["x"], constrained(regex="(unclosed"))
     assert e.value.field == "structured_outputs.regex"
+
+
+def test_a_property_named_like_a_refused_keyword_is_served(llm):
+    schema = {"type": "object", "properties": {"not": {"type": "string", "maxLength": 6}},
+              "required": ["not"]}  # fmt: skip
+    (out,) = llm.generate(["x"], constrained(json=schema))
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
