@@ -33,6 +33,11 @@ class GrammarViolation(RuntimeError):
     """The sampled token is not one the grammar allows: a defect, since the mask forbids it."""
 
 
+class UnsatisfiableConstraint(RuntimeError):
+    """No token of the vocabulary can continue the output under its constraint (e.g. a regex
+    of characters the tokenizer cannot write)."""
+
+
 @dataclass(slots=True)
 class SequenceGrammar:
     """One sequence's constraint: its compiled grammar (on the way) and, once it samples, its
@@ -163,6 +168,11 @@ class TokenBitmask:
                 host = self._host = host.pin_memory()
         for row, grammar in grammars:
             grammar.fill(host, row)
+            if not bool(host[row].any()):
+                raise UnsatisfiableConstraint(
+                    "no token of the model's vocabulary can continue the output under the "
+                    "request's structured-output constraint"
+                )
         mask = host[:rows]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)

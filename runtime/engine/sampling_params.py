@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 # OpenAI's limits for logit_bias, kept so that a request valid there is valid here.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Above this, the temperature itself overflows float32 (to inf: every logit / inf is 0 or NaN).
+MAX_TEMPERATURE = 3.0e38
 # Below this temperature, dividing logits by it overflows float32 (1e-300 would give inf logits
 # and a NaN distribution); the limit T -> 0 of sampling is greedy, so it is treated as greedy.
 MIN_TEMPERATURE = 1e-5
@@ -74,7 +76,11 @@ class SamplingParams:
                 raise SamplingParamsError(name, message)
 
         check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
-        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(
+            0.0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+        )
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")

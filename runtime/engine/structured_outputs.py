@@ -36,8 +36,9 @@ class StructuredOutputError(ValueError):
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint (vLLM's `StructuredOutputsParams`). `json` is a schema given as
-    JSON text or a dict; `whitespace` lets JSON carry any indentation (off: compact JSON, which
-    small models cannot pad without end)."""
+    JSON text or a dict (kept as JSON text: what the engine core is sent is the converted
+    grammar, and text holds any JSON number); `whitespace` lets JSON carry any indentation
+    (off: compact JSON, which small models cannot pad without end)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -66,13 +67,14 @@ class StructuredOutputsParams:
             )
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", json.dumps(self.json))
 
     @property
     def key(self) -> tuple[str, str, bool]:
         """(kind, spec text, whitespace): what the converted grammar depends on."""
         if self.json is not None:
-            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
-            return ("json", spec, self.whitespace)
+            return ("json", str(self.json), self.whitespace)
         if self.regex is not None:
             return ("regex", self.regex, False)
         if self.choice is not None:

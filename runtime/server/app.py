@@ -28,6 +28,7 @@ from kvfleet.runtime.server import responses
 from kvfleet.runtime.server.errors import APIError, api_error
 from kvfleet.runtime.server.generation import ResponseWriter
 from kvfleet.runtime.server.json_body import parse_json_body
+from kvfleet.runtime.server.openapi import OPENAPI_PATH, openapi_document
 from kvfleet.runtime.server.tool_calls.chat_reply import tool_call_replies
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OPEN_PATHS = frozenset({contract.HEALTH_PATH, contract.METRICS_PATH, contract.VERSION_PATH})
+OPEN_PATHS = frozenset(
+    {contract.HEALTH_PATH, contract.METRICS_PATH, contract.VERSION_PATH, OPENAPI_PATH}
+)
 RETRY_AFTER_S = 1
 
 
@@ -93,6 +96,7 @@ class OpenAIServer:
         app.router.add_get(contract.METRICS_PATH, self.metrics_page)
         app.router.add_get(contract.VERSION_PATH, self.version)
         app.router.add_get(contract.MODELS_PATH, self.models)
+        app.router.add_get(OPENAPI_PATH, self.openapi)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
@@ -163,6 +167,12 @@ class OpenAIServer:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI document of these routes, for this server: `model` may name only the
+        model served, and the API asks for a key only if the server has one."""
+        doc = openapi_document([self.settings.model_name], api_key=bool(self.settings.api_key))
+        return web.json_response(doc)
 
     async def models(self, request: web.Request) -> web.Response:
         info = self.engine.info

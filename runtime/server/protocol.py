@@ -273,6 +273,12 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         raise APIError(
             400, "prompt: give either prompt or messages, not both or neither", param="prompt"
         )
+    if has_prompt:
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            if body.get(name) is not None:
+                raise APIError(
+                    400, f"{name}: applies to messages only, not to a prompt", param=name
+                )
     messages = _messages(body["messages"]) if has_messages else None
     return TokenizeRequest(
         model=model_field(body),
@@ -304,7 +310,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise APIError(400, f"{where}: must be an object", param=where)
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise APIError(
                 400,
                 f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {role!r}",

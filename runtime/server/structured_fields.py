@@ -80,6 +80,8 @@ def _response_format(value: Any) -> tuple[str, dict[str, Any]] | None:
         raise _bad("response_format.json_schema.name", "is required (a non-empty string)")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise _bad("response_format.json_schema.strict", "must be a boolean")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise _bad("response_format.json_schema.description", "must be a string")
     schema = spec.get("schema")
     if schema is None:  # OpenAI: without a schema the model may answer any JSON object
         return "response_format.json_schema", {"json_object": True}

@@ -238,3 +238,26 @@ def test_template_variables_and_no_generation_prompt_shape_the_prompt(tiny_clien
     assert prompt_tokens(add_generation_prompt=False) == len(without)
     # Variables the template does not use (Qwen3's enable_thinking here) are accepted.
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == len(with_prompt)
+
+
+@pytest.mark.parametrize("role", [{}, [], 3])
+def test_a_role_that_is_not_a_string_is_a_400(tiny_server, model, role):
+    messages = [{"role": role, "content": "Hi"}]
+    r = request(tiny_server.port, "POST", CHAT, {"model": model, "messages": messages})
+    assert_400(r, "messages[0].role", "must be one of")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template_kwargs", {"x": 1}),
+    ],
+)
+def test_template_fields_with_a_tokenize_prompt_are_a_400(tiny_server, model, field):
+    name, value = field
+    r = request(
+        tiny_server.port, "POST", "/tokenize", {"model": model, "prompt": "Hi", name: value}
+    )
+    assert_400(r, name, "messages only")

@@ -60,6 +60,11 @@ BAD = [
      ["not supported"]),
     (COMPLETIONS, {"structured_outputs": {"json": {"type": "object", "if": {}, "then": {}}}},
      "structured_outputs.json", ["'if'"]),
+    (COMPLETIONS, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "description": {}, "schema": {}}}},
+     "response_format.json_schema.description", ["string"]),
+    # inf in float32: masked logits would become NaN
+    (COMPLETIONS, {"guided_regex": "[a-z]+", "temperature": 1e39}, "temperature", ["3e+38"]),
 ]  # fmt: skip
 
 
@@ -77,3 +82,22 @@ def test_the_engine_serves_on_after_refusing_constraints(tiny_server, model):
     r = request(tiny_server.port, "POST", CHAT, body(CHAT, model, guided_choice=["yes", "no"]))
     assert r.status == 200, r.body
     assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_a_schema_holding_any_json_number_is_served(tiny_server, model):
+    schema = {"type": "object", "x-note": 10**20, "properties": {"a": {"const": 10**30}}}
+    r = request(tiny_server.port, "POST", COMPLETIONS, body(COMPLETIONS, model, guided_json=schema,
+                                                            max_tokens=40))  # fmt: skip
+    assert r.status == 200, r.body
+
+
+def test_a_constraint_no_token_can_write_ends_that_request_alone(tiny_server, model):
+    # A character the tiny models' vocabulary cannot spell: the request fails with a message
+    # saying so; the engine serves on.
+    r = request(tiny_server.port, "POST", COMPLETIONS,
+                body(COMPLETIONS, model, guided_regex="\U0006649B"))  # fmt: skip
+    if r.status != 200:  # a vocabulary that can spell it serves it
+        err = assert_error(r, 500, None)
+        assert "no token of the model's vocabulary can continue" in err["message"]
+    ok = request(tiny_server.port, "POST", CHAT, body(CHAT, model, guided_choice=["a", "b"]))
+    assert ok.status == 200, ok.body
