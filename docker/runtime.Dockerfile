@@ -36,6 +36,8 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
         "prometheus-client>=0.20" \
         "pyzmq>=25" \
         "msgspec>=0.18" \
+        "xgrammar>=0.2.8,<0.3" \
+        "jsonschema>=4.20" \
         "numpy>=1.26" \
         "pyyaml>=6" \
         "triton>=3.2" \

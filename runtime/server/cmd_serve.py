@@ -46,8 +46,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer <key>' on the API (default: "
-        f"${contract.API_KEY_ENV}; an empty key is an error); /health, /metrics and /version "
-        f"stay open",
+        f"${contract.API_KEY_ENV}; an empty key is an error); /health, /metrics, /version "
+        f"and /openapi.json stay open",
     )
     g.add_argument(
         "--max-waiting-requests",

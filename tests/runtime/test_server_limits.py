@@ -71,7 +71,12 @@ def test_api_key_is_required_on_the_api_only(server, model):
     assert_error(request(server.port, "POST", "/tokenize", {"prompt": "hi"}), 401)
     assert_error(request(server.port, "POST", "/detokenize", {"tokens": [1]}), 401)
     assert request(server.port, "POST", "/tokenize", {"prompt": "hi"}, headers=AUTH).status == 200
-    for path in (contract.HEALTH_PATH, contract.METRICS_PATH, contract.VERSION_PATH):
+    for path in (
+        contract.HEALTH_PATH,
+        contract.METRICS_PATH,
+        contract.VERSION_PATH,
+        "/openapi.json",
+    ):
         assert request(server.port, "GET", path).status == 200
     client = openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
