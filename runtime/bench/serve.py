@@ -108,6 +108,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "request constrained to this JSON schema (response_format), each on a fresh server "
         "(needs --spawn)",
     )
+    p.add_argument(
+        "--distinct-schemas",
+        action="store_true",
+        help="with --json-schema: each request's schema made its own (one more optional "
+        "property), so that every request's grammar is compiled while the others decode",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument(
         "--plot",
@@ -246,13 +252,17 @@ async def _run_spawned(
     toggles: list[str],
     workload: list[tuple[list[int], int]],
     concurrency: int,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | list[dict[str, Any]] | None = None,
 ) -> RunResult:
     async with spawned_server(args, toggles) as url:
         print(
             f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
             f"{len(workload)} requests at concurrency {concurrency}"
-            + (f" with {', '.join(extra)}" if extra else ""),
+            + (
+                f" with {', '.join(extra[0] if isinstance(extra, list) else extra)}"
+                if extra
+                else ""
+            ),
             file=sys.stderr,
         )
         return await drive(url, workload, concurrency, args.timeout, extra)
@@ -264,11 +274,17 @@ async def _structured_cost(
     """The workload plain, then with every request constrained to --json-schema."""
     with open(args.json_schema) as f:
         schema = json.load(f)
-    constraint = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+
+    def constraint(i: int) -> dict[str, Any]:
+        own = schema
+        if args.distinct_schemas:  # a property only this request may write: a new grammar
+            own = {**schema, "properties": {**schema["properties"], f"r{i}": {"const": i}}}
+        body = {"type": "json_schema", "json_schema": {"name": "bench", "schema": own}}
+        return {"response_format": body}
+
     plain = await _run_spawned(args, [], workload, args.concurrency)
-    constrained = await _run_spawned(
-        args, [], workload, args.concurrency, {"response_format": constraint}
-    )
+    extras = [constraint(i) for i in range(len(workload))]
+    constrained = await _run_spawned(args, [], workload, args.concurrency, extras)
     return {
         **constrained.public(),
         "structured_outputs": {"plain": plain.public(), "json_schema": constrained.public()},
@@ -391,6 +407,9 @@ def run(args: argparse.Namespace) -> int:
             "--json-schema",
             file=sys.stderr,
         )
+        return 2
+    if args.distinct_schemas and not args.json_schema:
+        print("kvfleet bench serve: error: --distinct-schemas needs --json-schema", file=sys.stderr)
         return 2
     if args.shared_prefix and args.long_prompt_every:
         print(

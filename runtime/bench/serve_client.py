@@ -176,10 +176,10 @@ async def drive(
     workload: list[tuple[list[int], int]],
     concurrency: int,
     timeout: float,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | list[dict[str, Any]] | None = None,
 ) -> RunResult:
     """Send every request, at most `concurrency` at once, and summarize; `extra`: fields
-    added to every request's body."""
+    added to every request's body (a list: to each request its own)."""
     import asyncio
 
     import aiohttp
@@ -190,11 +190,15 @@ async def drive(
             model = (await resp.json())["data"][0]["id"]
         sem = asyncio.Semaphore(concurrency)
 
-        async def limited(prompt: list[int], n: int) -> RequestRecord:
+        extras = extra if isinstance(extra, list) else [extra] * len(workload)
+
+        async def limited(prompt: list[int], n: int, more: dict[str, Any] | None) -> RequestRecord:
             async with sem:
-                return await _one(session, url, model, prompt, n, timeout, extra)
+                return await _one(session, url, model, prompt, n, timeout, more)
 
         start = time.perf_counter()
-        records = await asyncio.gather(*(limited(p, n) for p, n in workload))
+        records = await asyncio.gather(
+            *(limited(p, n, more) for (p, n), more in zip(workload, extras, strict=True))
+        )
         duration = time.perf_counter() - start
     return summarize(list(records), duration, concurrency)

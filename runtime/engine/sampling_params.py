@@ -76,10 +76,11 @@ class SamplingParams:
                 raise SamplingParamsError(name, message)
 
         check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         check(
-            0.0 <= self.temperature <= MAX_TEMPERATURE,
+            self.temperature <= MAX_TEMPERATURE,
             "temperature",
-            f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+            f"must be <= {MAX_TEMPERATURE:g}, got {self.temperature}",
         )
         check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, "top_k", f"must be >= 0 (or -1 for off), got {self.top_k}")

@@ -123,7 +123,34 @@ def _convert(kind: str, spec: str, whitespace: bool) -> str:
         raise
     except (RuntimeError, ValueError) as exc:
         raise StructuredOutputError(kind, _engine_message(exc)) from None
+    if _matches_nothing(grammar):
+        raise StructuredOutputError(
+            kind, "matches no text at all (its first character can be none)"
+        )
     return grammar.serialize_json()
+
+
+@lru_cache(maxsize=1)
+def _byte_compiler() -> Any:
+    """A grammar compiler for a vocabulary of the 256 single bytes, which can write any text:
+    a grammar that allows none of them first allows no text."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)], xgr.VocabType.RAW, vocab_size=256)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _matches_nothing(grammar: Any) -> bool:
+    """Whether no text at all satisfies the grammar (e.g. the regex `[^\\x00-\\U0010FFFF]`):
+    checked at its first character, in about a millisecond."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(
+        _byte_compiler().compile_grammar(grammar), terminate_without_stop_token=True
+    )
+    mask = xgr.allocate_token_bitmask(1, 256)
+    matcher.fill_next_token_bitmask(mask)
+    return not bool(mask.any()) and not matcher.is_completed()
 
 
 def _check_schema(spec: str) -> None:

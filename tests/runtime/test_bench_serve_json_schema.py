@@ -1,5 +1,6 @@
 """`kvfleet bench serve --spawn --json-schema FILE`: the workload plain and then with every
-request held to the schema, each on a fresh server, and the ratio the cost is stated in."""
+request held to the schema (with --distinct-schemas each its own, compiled while the others
+decode), each on a fresh server, and the ratio the cost is stated in."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_json_schema_runs_the_workload_plain_and_constrained(tiny_llama_dir: Pat
         sys.executable, "-m", "kvfleet.runtime.cli", "bench", "serve", "--spawn",
         "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "1024",
         "--num-prompts", "4", "--concurrency", "2", "--json-schema", str(SCHEMA),
-        "--json", str(out),
+        "--distinct-schemas", "--json", str(out),
     ]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -40,3 +41,5 @@ def test_json_schema_runs_the_workload_plain_and_constrained(tiny_llama_dir: Pat
 def test_json_schema_needs_spawn(capsys) -> None:
     assert main(["bench", "serve", "--json-schema", str(SCHEMA)]) == 2
     assert "need --spawn" in capsys.readouterr().err
+    assert main(["bench", "serve", "--spawn", "--distinct-schemas"]) == 2
+    assert "--distinct-schemas needs --json-schema" in capsys.readouterr().err

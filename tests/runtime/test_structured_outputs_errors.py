@@ -50,6 +50,7 @@ BAD = [
     (COMPLETIONS, {"guided_regex": "(ab"}, "guided_regex", ["parenthesis"]),
     (COMPLETIONS, {"guided_regex": "a{3,2}"}, "guided_regex", ["3 > 2"]),
     (COMPLETIONS, {"guided_regex": "a(?=b)"}, "guided_regex", ["Lookahead"]),
+    (COMPLETIONS, {"guided_regex": "[^\\x00-\\U0010FFFF]+"}, "guided_regex", ["matches no text"]),
     (CHAT, {"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", ["undefined_rule"]),
     (CHAT, {"guided_choice": []}, "guided_choice", ["1 to"]),
     (CHAT, {"guided_choice": ["a", 3]}, "guided_choice", ["strings"]),
