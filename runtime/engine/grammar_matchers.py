@@ -12,7 +12,6 @@ thread the first time a constrained request arrives.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (each holds a per-state token cache: 0.1-10 MB)
-COMPILE_NICENESS = 10  # added to the compile thread's nice value
 
 
 class GrammarViolation(RuntimeError):
@@ -84,9 +82,7 @@ class GrammarCompiler:
     def __init__(self, vocab_size: int, load_tokenizer: Callable[[], Any]) -> None:
         self.vocab_size = vocab_size
         self._load_tokenizer = load_tokenizer
-        self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="grammar-compiler", initializer=_yield_to_the_step_loop
-        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
         self._compiler: Any = None
         self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
 
@@ -108,23 +104,12 @@ class GrammarCompiler:
         if self._compiler is None:
             tokenizer = self._load_tokenizer()
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            # One thread (xgrammar's default is 8): the forward pass owns the cores.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             log.info("structured outputs: grammar compiler ready (%d tokens)", self.vocab_size)
         return self._compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _yield_to_the_step_loop() -> None:
-    """Lower the compile thread's scheduling priority (Linux: per thread), so that a compile
-    takes the cores only where the step loop leaves them idle."""
-    import os
-    import threading
-
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
 
 
 class CompilingRequests:
