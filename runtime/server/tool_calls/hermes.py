@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvfleet.runtime.server.tool_calls.parsed_call import call_from_object
 from kvfleet.runtime.server.tool_calls.parser_base import ToolCallParser
-from kvfleet.runtime.server.tool_calls.scanner import BufferedScanner, Event, split_at_marker
+from kvfleet.runtime.server.tool_calls.scanner import BufferedScanner, Event
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -25,13 +25,7 @@ class HermesScanner(BufferedScanner):
         events: list[Event] = []
         while self.buf:
             if not self.inside:
-                before, rest = split_at_marker(self.buf, START)
-                if rest is None and final:
-                    before = self.buf
-                if before:
-                    events.append(before)
-                self.buf = self.buf[len(before) :]
-                if rest is None:
+                if not self._take_text_before(START, final, events):
                     break
                 self.inside, self.searched = True, len(START)
                 continue

@@ -16,7 +16,7 @@ from kvfleet.runtime.server.tool_calls.parsed_call import (
     call_from_object,
 )
 from kvfleet.runtime.server.tool_calls.parser_base import ToolCallParser
-from kvfleet.runtime.server.tool_calls.scanner import BufferedScanner, Event, split_at_marker
+from kvfleet.runtime.server.tool_calls.scanner import BufferedScanner, Event
 
 MARKER, CALL_ID, ARGS = "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
@@ -38,13 +38,7 @@ class MistralScanner(BufferedScanner):
         events: list[Event] = []
         while self.buf:
             if self.state == "outside":
-                before, rest = split_at_marker(self.buf, MARKER)
-                if rest is None and final:
-                    before = self.buf
-                if before:
-                    events.append(before)
-                self.buf = self.buf[len(before) :]
-                if rest is None:
+                if not self._take_text_before(MARKER, final, events):
                     break
                 self.state, self.scanned = "after", len(MARKER)
                 continue

@@ -3,6 +3,7 @@ reports, in order, the text and the calls it has settled."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +23,7 @@ class Scanner(Protocol):
 
 
 @dataclass(slots=True)
-class BufferedScanner:
+class BufferedScanner(ABC):
     """A scanner that keeps its unsettled text in `buf` and settles what it can on each feed
     (`final`: at the end of the message, everything)."""
 
@@ -35,8 +36,20 @@ class BufferedScanner:
     def finish(self) -> list[Event]:
         return self._scan(final=True)
 
+    @abstractmethod
     def _scan(self, final: bool) -> list[Event]:
-        raise NotImplementedError
+        """The events `buf` settles now, removed from it."""
+
+    def _take_text_before(self, marker: str, final: bool, events: list[Event]) -> bool:
+        """Settle the text before `marker` (all of it at the end: a partial marker is text);
+        True when `buf` now starts with the marker."""
+        before, rest = split_at_marker(self.buf, marker)
+        if rest is None and final:
+            before = self.buf
+        if before:
+            events.append(before)
+        self.buf = self.buf[len(before) :]
+        return rest is not None
 
 
 def held_prefix_len(text: str, marker: str) -> int:
