@@ -32,7 +32,7 @@ from kvfleet.kernels.cpu import (
     cpu_prefill,
 )
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
-from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.kernels.metadata import AttentionMetadata, LoraMapping
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 
 # The names `Kernels.linear_path` gives the kernels a projection may run on: a benchmark reports
@@ -140,6 +140,28 @@ class Kernels:
         if cpu_gemm_f32.takes(x, weight, bias, policy=self.policy):
             return cpu_gemm_f32.linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def add_lora(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        mapping: LoraMapping,
+    ) -> None:
+        """y[t] += lora_b[s] @ (lora_a[s] @ x[t]) for each token t of slot s = its mapping's
+        (none for base-model tokens): several adapters in one projection. Triton's gather
+        kernels on CUDA; on CPU two matmuls per run of one adapter's rows, which the model
+        runner makes contiguous (a gather of every token's A and B would stream them once per
+        token)."""
+        if self.use_triton(x):
+            from kvfleet.kernels.triton import triton_lora
+
+            triton_lora.add_lora(y, x, lora_a, lora_b, mapping.token_slots)
+            return
+        for slot, start, end in mapping.segments:
+            shrunk = torch.mm(x[start:end], lora_a[slot].t())
+            y[start:end].addmm_(shrunk, lora_b[slot].t())
 
     def linear_path(self, weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> str:
         """Which kernel `linear` runs for a step of `rows` rows through `weight` (one of the

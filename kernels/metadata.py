@@ -38,3 +38,13 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+
+@dataclass(slots=True)
+class LoraMapping:
+    """Which LoRA slot each of a step's tokens runs (`Kernels.add_lora`). The model runner
+    orders a step's tokens so that each adapter's rows are runs of consecutive rows."""
+
+    token_slots: torch.Tensor  # int64 [T] on the device: each token's slot, -1 for the base model
+    # Host copy as runs of equal slots: (slot, first row, end row), base-model rows left out.
+    segments: list[tuple[int, int, int]] = field(default_factory=list)

@@ -13,6 +13,10 @@ METRICS_PATH = "/metrics"
 VERSION_PATH = "/version"
 MODELS_PATH = "/v1/models"
 API_KEY_ENV = "KVFLEET_API_KEY"
+# LoRA adapters are loaded and unloaded on a running server through these (vLLM's paths): the
+# operator adds a service's adapters to each ready pod this way, so no pod restarts for one.
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 # The size of the volume the Hugging Face cache lives on when it is smaller than the disk it
 # reports (an emptyDir's sizeLimit): `kvfleet download` refuses a model that cannot fit it.
 CACHE_LIMIT_ENV = "KVFLEET_CACHE_LIMIT_BYTES"
@@ -52,6 +56,13 @@ REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"  # first schedule
 # from it for prefix-aware routing, and `kvfleet router` reads block_size. vLLM's name.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
+# vLLM's info gauge of the adapters in use (labels max_lora, running_lora_adapters,
+# waiting_lora_adapters: comma-separated names), and ours of the adapters a server has loaded
+# (value 1, label lora_name), which the operator and the router read.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_ADAPTER_LOADED = "kvfleet:lora_adapter_loaded"
+LORA_NAME_LABEL = "lora_name"
+
 COUNTERS = (
     PROMPT_TOKENS,
     GENERATION_TOKENS,
@@ -62,6 +73,7 @@ COUNTERS = (
 )
 GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC)
 INFO_GAUGES = (CACHE_CONFIG_INFO,)  # exposed once the model is loaded
+LORA_GAUGES = (LORA_REQUESTS_INFO, LORA_ADAPTER_LOADED)  # exposed under --enable-lora
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
@@ -78,7 +90,7 @@ HISTOGRAMS = (
 def exposed_names() -> set[str]:
     """Every series name the runtime exposes on /metrics (counters with _total, histograms'
     _bucket/_sum/_count), for checks that alerts and dashboards reference real metrics."""
-    names = set(GAUGES) | set(INFO_GAUGES)
+    names = set(GAUGES) | set(INFO_GAUGES) | set(LORA_GAUGES)
     names |= {f"{c}_total" for c in COUNTERS}
     for h in HISTOGRAMS:
         names |= {f"{h}_bucket", f"{h}_sum", f"{h}_count"}

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 
 from kvfleet.runtime.engine.core_messages import (
     AbortRequests,
+    AddLora,
     AddRequests,
     CoreInfo,
     CoreRequest,
     EngineStats,
+    RemoveLora,
     StepOutputs,
 )
 from kvfleet.runtime.engine.input_processor import InputProcessor
@@ -61,6 +63,7 @@ class AsyncEngine:
         self._groups: dict[str, list[str]] = {}  # API request id → its prompts' group ids
         self._sent = 0  # sequences sent to the core, ever (stats.received: taken in)
         self._error: str | None = None
+        self._lora_loads: dict[int, asyncio.Future[str]] = {}  # AddLora sent, not answered
         self._stopping = False
         # Set once the core has died: the server then exits so that the process is restarted
         # instead of answering 503 for ever.
@@ -160,6 +163,29 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self._abort(self._groups.pop(request_id, []))
 
+    # --- LoRA adapters -------------------------------------------------------------------------
+    async def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Have the core load adapter `name` from local PEFT folder `path` as `lora_id`;
+        raise LoraError with the core's reason when it refuses it."""
+        from kvfleet.runtime.models.lora import LoraError
+
+        if self._error is not None or self._stopping or self._client is None:
+            raise EngineDeadError(self._error or "the engine is not running")
+        answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._lora_loads[lora_id] = answer
+        self._client.send(AddLora(lora_id, name, path))
+        try:
+            why = await answer
+        finally:
+            self._lora_loads.pop(lora_id, None)
+        if why:
+            raise LoraError(why)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter (sequences running it finish first)."""
+        if self._client is not None and self._error is None:
+            self._client.send(RemoveLora(lora_id))
+
     def _abort(self, groups: list[str]) -> None:
         if self._outputs is None or self._client is None:
             return
@@ -172,6 +198,10 @@ class AsyncEngine:
     def _on_step(self, step: StepOutputs) -> None:
         assert self._outputs is not None and self._client is not None
         self.stats = step.stats
+        for lora_id, why in step.loras:
+            answer = self._lora_loads.get(lora_id)
+            if answer is not None and not answer.done():
+                answer.set_result(why)
         for request_id, why in step.refused:
             self._outputs.fail(request_id.partition("#")[0], why, step.now)
         for reason, ids in self._outputs.process(step.outputs, step.now).items():
@@ -186,3 +216,6 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
+        for answer in self._lora_loads.values():
+            if not answer.done():
+                answer.set_exception(exc)

@@ -35,6 +35,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # One host's ranks (a node's GPUs); tensor parallelism across hosts is not supported.
 MAX_TENSOR_PARALLEL_SIZE = 64
+MAX_LORAS = 64
+MAX_LORA_RANK = 512
 
 
 class ConfigError(ValueError):
@@ -97,6 +99,11 @@ class EngineConfig:
     # --allow-amx set its fields of those names); the model and every tensor-parallel rank run
     # this one policy.
     kernel_policy: KernelPolicy = DEFAULT_POLICY
+    # LoRA adapters (PEFT folders) beside the base model, picked per request by name.
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters in one step (their slots on the device)
+    max_lora_rank: int = 16  # the highest rank an adapter may have (slots are this wide)
+    max_cpu_loras: int | None = None  # adapters kept read in memory (None: max_loras)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -148,9 +155,26 @@ class EngineConfig:
             )
         if self.chat_template is not None:
             self.chat_template = resolve_chat_template(self.chat_template)
+        self._check_lora()
         if not isinstance(self.kernel_policy, KernelPolicy):
             raise ConfigError(
                 f"kernel_policy: must be a KernelPolicy, got {type(self.kernel_policy).__name__}"
+            )
+
+    def _check_lora(self) -> None:
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise ConfigError(f"max_loras: must be in [1, {MAX_LORAS}], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ConfigError(
+                f"max_lora_rank: must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "enable_lora: LoRA adapters run on one rank only; use tensor_parallel_size 1"
             )
 
 
@@ -311,6 +335,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.kernel_policy.allow_amx,
         help="let AMX run where the CPU has it (--no-allow-amx: the AVX512-BF16 paths instead, "
         "to measure them on an AMX host)",
+    )
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the model (--lora-modules, /v1/load_lora_adapter)",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="most LoRA adapters running in one step (requests of others wait their turn)",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="highest LoRA rank accepted"
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters kept in memory, ready to run (default: --max-loras)",
     )
     g.add_argument(
         "--served-model-name",

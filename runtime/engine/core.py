@@ -25,15 +25,15 @@ from kvfleet.runtime.engine.core_messages import (
 from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.engine.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from kvfleet.runtime.engine.grammar_matchers import CompilingRequests, GrammarCompiler
-from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.engine.lora_slots import LoraSlots
 from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.sampler import Sampler
-from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
-from kvfleet.runtime.engine.step_time import StepTimeModel
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
+from kvfleet.runtime.models.lora import LoraError
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,12 @@ class EngineCore:
             # Without chunking a whole prompt must fit one step.
             max_batched = max(max_batched, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Adapters' slots sized from the flags: their memory comes before the first request.
+        self.loras = (
+            LoraSlots(mc, config.max_loras, config.max_lora_rank,
+                      config.max_cpu_loras or config.max_loras, self.dtype, self.device)
+            if config.enable_lora else None
+        )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -119,6 +125,7 @@ class EngineCore:
                 config.long_prefill_token_threshold,
                 config.max_step_time_ratio,
                 min_prompt_tokens=config.block_size,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv,
         )
@@ -134,6 +141,7 @@ class EngineCore:
             graph_max_batch=config.max_num_seqs if graphs else 0,
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            loras=self.loras,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarCompiler(mc.vocab_size, self._load_tokenizer)
@@ -221,13 +229,18 @@ class EngineCore:
                 group_id=r.group_id,
                 index=r.index,
                 arrival_time=r.arrival_time,
+                lora_id=r.lora_id,
             )
             for r in requests
         ]
         for r in built:
             if r.request_id in self.scheduler.requests or r.request_id in self._compiling:
                 raise ValueError(f"request_id: {r.request_id!r} is already in use")
+            if r.lora_id and (self.loras is None or self.loras.name_of(r.lora_id) is None):
+                raise ValueError(f"lora_id: adapter {r.lora_id} is not loaded")
         for r, sent in zip(built, requests, strict=True):
+            if r.lora_id:
+                self.loras.retain(r.lora_id)  # type: ignore[union-attr]
             if sent.grammar is not None:
                 self._compiling.add(r, sent.grammar)
             else:
@@ -266,40 +279,28 @@ class EngineCore:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             received=self.counters.received,
+            **(self.loras.names_in_use(self.scheduler, self._compiling) if self.loras else {}),
         )
 
     def warm_up(self) -> None:
-        """Short generations outside every counter: the first proves the model, cache and
-        sampler work before a server reports ready and takes first-call costs out of
-        benchmarks; with --max-step-time-ratio the next give the step-time model steps of many
-        shapes to size prompt shares from before the first request — decodes of 7 rows down to
-        1 as sequences end one by one, and prefills of three sizes."""
-        vocab = self.model_config.vocab_size
-        longest = max(self.max_model_len - 9, 8)
-        self._generate_unseen([(8, 2)], vocab)
-        if self.scheduler.step_times is not None:  # only the prompt bound reads step times
-            self.scheduler.step_times = StepTimeModel()  # first calls are slow: forget them
-            self._generate_unseen([(min(16 * (k + 1), longest), k + 1) for k in range(8)], vocab)
-            self._generate_unseen([(min(64, longest), 2)] * 2, vocab)
-            self._generate_unseen([(min(24, longest), 2)], vocab)
-        self.counters = EngineCounters()
-        self.kv.stats = PrefixCacheStats()
+        """Short generations outside every counter (core_warm_up.py), before a server
+        reports ready."""
+        from kvfleet.runtime.engine.core_warm_up import warm_up
 
-    def _generate_unseen(self, shapes: list[tuple[int, int]], vocab: int) -> None:
-        """Run prompts of (length, output tokens) to their end, together."""
-        ids = [f"__warmup_{i}__" for i in range(len(shapes))]
-        requests = []
-        for k, (rid, (length, tokens)) in enumerate(zip(ids, shapes, strict=True)):
-            params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-            # Distinct prompts, none seen before: no prefix-cache hit shrinks a prefill.
-            prompt = [(i * 7 + 13 * k + 31 * length + 1) % vocab for i in range(length)]
-            requests.append(CoreRequest(rid, prompt, params, frozenset(), tokens, rid, 0, 0.0))
-        self.add(requests)
-        try:
-            while self.has_unfinished():
-                self.step()
-        finally:
-            self.abort(ids)
+        warm_up(self)
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Load adapter `name` from PEFT folder `path` as `lora_id` (LoraError saying why it
+        cannot run on this model)."""
+        if self.loras is None:
+            raise LoraError(f"adapter {name!r}: LoRA is not enabled (start with --enable-lora)")
+        self.loras.add(lora_id, name, path)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter; sequences already running it finish first."""
+        if self.loras is not None:
+            self.loras.remove(lora_id)
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
@@ -417,6 +418,8 @@ class EngineCore:
         if r.finished:
             return
         self.scheduler.finish(r, reason, stop_reason)
+        if r.lora_id and self.loras is not None:
+            self.loras.release(r.lora_id)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
 
     def _output(self, r: Request) -> SequenceOutput:

@@ -35,6 +35,7 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     # Its structured-output constraint, converted by the input processor: a serialized
     # xgrammar Grammar (structured_outputs.grammar_of), compiled by the core.
     grammar: str | None = None
+    lora_id: int = 0  # the LoRA adapter it runs (AddLora's id), 0: the base model
 
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
@@ -71,6 +72,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # Sequences the core has taken in since it started: the server subtracts them from those
     # it sent to know how many are still on the way (queued, as far as admission is concerned).
     received: int = 0
+    # Under --enable-lora: the adapters of running and of waiting sequences, by name.
+    lora_running: list[str] = msgspec.field(default_factory=list)
+    lora_waiting: list[str] = msgspec.field(default_factory=list)
 
 
 class CoreInfo(msgspec.Struct, array_like=True):
@@ -97,11 +101,24 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
     reason: str = "abort"  # "stop" when the server found a stop string
 
 
+class AddLora(msgspec.Struct, tag=True, array_like=True):
+    """Load a LoRA adapter from a local PEFT folder; the core answers in the next
+    StepOutputs' `loras` (the server numbers adapters, never reusing an id)."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class RemoveLora(msgspec.Struct, tag=True, array_like=True):
+    lora_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToCore = AddRequests | AbortRequests | Shutdown
+ToCore = AddRequests | AbortRequests | AddLora | RemoveLora | Shutdown
 
 
 # --- core → server ---------------------------------------------------------------------------
@@ -121,6 +138,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     # Requests the core refused when they were added (the server had validated them, so this
     # is a defect, not bad input): (request id, why), each ended with an error.
     refused: list[tuple[str, str]] = msgspec.field(default_factory=list)
+    # Answers to AddLora: (lora id, "" when loaded, else why it was refused).
+    loras: list[tuple[int, str]] = msgspec.field(default_factory=list)
 
 
 class CoreDied(msgspec.Struct, tag=True, array_like=True):

@@ -25,11 +25,13 @@ import zmq
 from kvfleet.runtime.engine.config import EngineConfig
 from kvfleet.runtime.engine.core_messages import (
     AbortRequests,
+    AddLora,
     AddRequests,
     CoreDied,
     FromCore,
     LoadFailed,
     Ready,
+    RemoveLora,
     Shutdown,
     StepOutputs,
     ToCore,
@@ -104,6 +106,21 @@ def run_core_process(
     _close(inputs, outputs, context)
 
 
+def add_lora(core: EngineCore, message: AddLora) -> str:
+    """Load the adapter; "" when loaded, else why not (LoraError's message, or the error of a
+    load that failed otherwise: the adapter is refused, the core goes on)."""
+    from kvfleet.runtime.models.lora import LoraError
+
+    try:
+        core.add_lora(message.lora_id, message.name, message.path)
+    except LoraError as exc:
+        return str(exc)
+    except Exception as exc:
+        log.exception("loading LoRA adapter %r failed", message.name)
+        return f"adapter {message.name!r}: loading failed: {type(exc).__name__}: {exc}"
+    return ""
+
+
 def _close(*closable: zmq.Socket | zmq.Context) -> None:
     for c in closable:
         c.close() if isinstance(c, zmq.Socket) else c.term()
@@ -130,6 +147,7 @@ class CoreLoop:
             timeout = 0 if core.has_unfinished() else HEALTH_POLL_MS
             received = False
             refused: list[tuple[str, str]] = []
+            loras: list[tuple[int, str]] = []
             while poller.poll(timeout):
                 timeout, received = 0, True
                 message = self.decoder.decode(self.inputs.recv(copy=False))
@@ -143,10 +161,14 @@ class CoreLoop:
                         refused.extend((r.request_id, str(exc)) for r in message.requests)
                 elif isinstance(message, AbortRequests):
                     core.abort(message.request_ids, message.reason)
+                elif isinstance(message, AddLora):
+                    loras.append((message.lora_id, add_lora(core, message)))
+                elif isinstance(message, RemoveLora):
+                    core.remove_lora(message.lora_id)
             if core.has_unfinished():
                 outputs = core.step()
-                self.send(StepOutputs(outputs, core.stats(), time.monotonic(), refused))
+                self.send(StepOutputs(outputs, core.stats(), time.monotonic(), refused, loras))
             else:
                 core.check_health()
-                if received:  # aborts or refusals changed the gauges: say so
-                    self.send(StepOutputs([], core.stats(), time.monotonic(), refused))
+                if received:  # aborts, refusals or adapters changed something: say so
+                    self.send(StepOutputs([], core.stats(), time.monotonic(), refused, loras))

@@ -104,9 +104,11 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float,
         max_tokens: int | None = None,
+        lora_id: int = 0,
     ) -> list[CoreRequest]:
         """The n sequences of one prompt, validated (RequestError) unless `max_tokens` says it
-        was already. Ids: the group's own for n = 1, `group#i` for each of n > 1."""
+        was already, run with LoRA adapter `lora_id` (0: the base model). Ids: the group's own
+        for n = 1, `group#i` for each of n > 1."""
         if max_tokens is None:
             max_tokens = self.validate(prompt_token_ids, params)
         grammar = self.grammar(params)
@@ -121,6 +123,7 @@ class InputProcessor:
                 i,
                 arrival_time,
                 grammar,
+                lora_id,
             )
             for i in range(params.n)
         ]

@@ -25,6 +25,12 @@ def hash_block(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def root_hash(lora_id: int) -> bytes:
+    """The parent of a request's first block: the same tokens under another LoRA adapter
+    (which changes every layer's K and V) are another chain, never a hit."""
+    return _ROOT_HASH if lora_id == 0 else hash_block(_ROOT_HASH, [lora_id])
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -71,7 +77,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.lora_id)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

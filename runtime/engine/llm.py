@@ -8,6 +8,7 @@ from typing import Any
 
 from kvfleet.runtime.engine.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.engine.lora_request import LoRARequest
 from kvfleet.runtime.engine.request import RequestOutput
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 
@@ -47,15 +48,17 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Completions for each prompt (text or token ids), in the order given."""
+        """Completions for each prompt (text or token ids), in the order given, each with
+        `lora_request`'s adapter (one for all, or one per prompt; needs enable_lora)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         param_list = _broadcast(params, len(prompt_list))
-        return self._run(prompt_list, param_list)
+        return self._run(prompt_list, param_list, _loras(lora_request, len(prompt_list)))
 
     def chat(
         self,
@@ -64,6 +67,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation or several, through the model's chat template.
         `continue_final_message` (with add_generation_prompt=False) extends the last, assistant
@@ -79,13 +83,19 @@ class LLM:
             )
             for m in messages
         ]
-        return self._run(prompts, _broadcast(params, len(prompts)))
+        loras = _loras(lora_request, len(prompts))
+        return self._run(prompts, _broadcast(params, len(prompts)), loras)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+    ) -> list[RequestOutput]:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -96,6 +106,16 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[rid] for rid in ids]
+
+
+def _loras(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"lora_request: got {len(lora)} for {n} prompts")
+    return list(lora)
 
 
 def _broadcast(

@@ -15,6 +15,7 @@ from typing import Any
 from kvfleet.runtime.engine.config import EngineConfig
 from kvfleet.runtime.engine.core import EngineCore
 from kvfleet.runtime.engine.input_processor import InputProcessor
+from kvfleet.runtime.engine.lora_request import LoRARequest
 from kvfleet.runtime.engine.output_processor import (
     OutputProcessor,
     RequestDelta,
@@ -158,14 +159,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a prompt (text or token ids) with its n completions; RequestError (naming
-        the field) for what the model cannot take."""
+        """Queue a prompt (text or token ids) with its n completions, run with `lora_request`'s
+        adapter if given (loaded on first use: LoraError when it cannot run on this model);
+        RequestError (naming the field) for what the model cannot take."""
         if request_id in self._requests:
             raise RequestError("request_id", f"{request_id!r} is already in use")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        sequences = self.inputs.sequences(request_id, ids, params, now)
+        lora_id = self._lora_id(lora_request)
+        sequences = self.inputs.sequences(request_id, ids, params, now, lora_id=lora_id)
         collected = _Collected(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -182,6 +186,19 @@ class LLMEngine:
             self.outputs.abort(request_id, now)
             raise
         self._requests[request_id] = collected
+
+    def _lora_id(self, lora: LoRARequest | None) -> int:
+        if lora is None:
+            return 0
+        loaded = self.core.loras.name_of(lora.lora_int_id) if self.core.loras else None
+        if loaded is None:
+            self.core.add_lora(lora.lora_int_id, lora.lora_name, lora.lora_path)
+        elif loaded != lora.lora_name:
+            raise RequestError(
+                "lora_request",
+                f"lora_int_id {lora.lora_int_id} is adapter {loaded!r}, not {lora.lora_name!r}",
+            )
+        return lora.lora_int_id
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at once and free its blocks; False if it is unknown or done."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.kernels.metadata import AttentionMetadata, LoraMapping
 from kvfleet.runtime.engine.decode_graphs import DecodeGraphs
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, TokenLogprob
@@ -19,6 +19,8 @@ from kvfleet.runtime.models.config import ModelConfig
 if TYPE_CHECKING:
     from kvfleet.kernels.cpu.cpu_decode_logits import DecodeLogits
     from kvfleet.kernels.cpu.cpu_decode_step import DecodeStack
+    from kvfleet.runtime.engine.lora_slots import LoraSlots
+    from kvfleet.runtime.models.lora_layer import LoraLayer
 
 # Prompt logprobs turn hidden rows into full-vocabulary logits; this many at a time bounds the
 # memory that costs (a long prompt chunk times a large vocabulary would not fit otherwise).
@@ -81,9 +83,11 @@ def forward_step(
     inputs: StepInputs,
     device: torch.device,
     stack: DecodeStack | None = None,
+    lora: list[LoraLayer] | None = None,
 ) -> torch.Tensor:
     """The model's final hidden states [T, hidden] for the step's tokens (K/V written to
-    `kv_caches`), through the fused decode `stack` where it takes the step."""
+    `kv_caches`), through the fused decode `stack` where it takes the step; with `lora`, the
+    step's adapters added to each layer's projections."""
     qsl = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
     np.cumsum(inputs.query_lens, out=qsl[1:])
     meta = AttentionMetadata(
@@ -103,6 +107,7 @@ def forward_step(
         kv_caches,
         meta,
         stack,
+        lora,
     )
 
 
@@ -148,8 +153,10 @@ class ModelRunner:
         graph_max_batch: int = 0,  # capture decode steps up to this batch (0: no graphs)
         max_model_len: int = 0,  # the longest context a graph or one-call step must serve
         max_num_seqs: int = 0,  # the most sequences a step holds (for the one-call step)
+        loras: LoraSlots | None = None,  # the LoRA adapters' slots, under --enable-lora
     ) -> None:
         self.model = model
+        self.loras = loras
         self.kv = kv
         self.device = device
         self.workers = workers
@@ -195,6 +202,13 @@ class ModelRunner:
         order = [i for i, n in enumerate(batch.num_tokens) if n == 1]
         num_decodes = len(order)
         order += [i for i, n in enumerate(batch.num_tokens) if n != 1]
+        slot_of = self._lora_slots(batch)
+        if slot_of is not None:
+            # Each adapter's rows consecutive (decodes still first): one matmul pair per run.
+            order = sorted(order[:num_decodes], key=slot_of.__getitem__) + sorted(
+                order[num_decodes:], key=slot_of.__getitem__
+            )
+        token_slots: list[int] = []
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -227,6 +241,8 @@ class ModelRunner:
                 pos = np.arange(start, end)
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
+            if slot_of is not None:
+                token_slots.extend([slot_of[i]] * n)
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(blocks)
@@ -238,7 +254,7 @@ class ModelRunner:
         # One token per sequence, every one sampled (a one-token chunk inside a prompt is not,
         # and its row would have logits no request takes), no prompt logprobs.
         one_row_each = num_decodes == len(order) == len(sample_rows) and not prompt_spans
-        one_call = self.one_call if one_row_each else None
+        one_call = self.one_call if one_row_each and slot_of is None else None
         policy = self.model.kernels.policy
         if one_call is not None and one_call.accepts(num_decodes, max_blocks, policy):
             greedy = all(r.params.greedy for r in sample_rows)
@@ -261,11 +277,12 @@ class ModelRunner:
         )
         if self.workers is not None:
             self.workers.send_step(inputs)
-        graphs = self.graphs
+        graphs = self.graphs if slot_of is None else None
+        lora = self._lora_layers(token_slots) if slot_of is not None else None
         if graphs is not None and graphs.accepts(len(seq_lens), num_decodes, max_blocks):
             hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
         else:
-            hidden = forward_step(self.model, self.kv_caches, inputs, self.device, self.stack)
+            hidden = forward_step(self.model, self.kv_caches, inputs, self.device, self.stack, lora)
         calls = iter(inputs.logit_rows)
 
         def next_logits() -> torch.Tensor:
@@ -277,6 +294,29 @@ class ModelRunner:
             return StepLogits([], torch.empty(0), prompt_logprobs)
         logits = next_logits()
         return StepLogits(sample_rows, logits, prompt_logprobs)
+
+    def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
+        """Each scheduled request's LoRA slot (-1: the base model), or None for a step that
+        runs no adapter (it then takes the fused and graphed paths as before)."""
+        if self.loras is None:
+            return None
+        ids = {r.lora_id for r in batch.requests if r.lora_id}
+        if not ids:
+            return None
+        slot_by_id = self.loras.activate(ids)
+        return [slot_by_id[r.lora_id] if r.lora_id else -1 for r in batch.requests]
+
+    def _lora_layers(self, token_slots: list[int]) -> list[LoraLayer]:
+        assert self.loras is not None
+        segments = []
+        start = 0
+        for row in range(1, len(token_slots) + 1):
+            if row == len(token_slots) or token_slots[row] != token_slots[start]:
+                if token_slots[start] >= 0:
+                    segments.append((token_slots[start], start, row))
+                start = row
+        slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        return self.loras.layers(self.model.kernels, LoraMapping(slots, segments))
 
     def _prompt_logprobs(
         self, next_logits: Callable[[], torch.Tensor], span: _PromptSpan

@@ -61,6 +61,7 @@ class Request:
     last_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     grammar: SequenceGrammar | None = None  # its structured-output constraint, if any
+    lora_id: int = 0  # the LoRA adapter it runs (the server's id), 0 for the base model
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

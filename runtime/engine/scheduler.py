@@ -49,6 +49,9 @@ class SchedulerConfig:
     max_step_time_ratio: float = 0.0
     # The fewest prompt tokens a step may carry under that bound: prompts always progress.
     min_prompt_tokens: int = 16
+    # Most LoRA adapters among running requests (the slots the model holds them in); a
+    # waiting request of another adapter is passed over until one of them ends. 0: no LoRA.
+    max_loras: int = 0
 
 
 @dataclass(slots=True)
@@ -210,8 +213,23 @@ class Scheduler:
         self._budget -= num_new
 
     def _admit_waiting(self, batch: ScheduledBatch, cap: int) -> None:
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        passed_over: list[Request] = []
+        try:
+            self._admit_in_order(batch, cap, adapters, passed_over)
+        finally:
+            # Still first in line, in their order, for when a slot frees.
+            self.waiting.extendleft(reversed(passed_over))
+
+    def _admit_in_order(
+        self, batch: ScheduledBatch, cap: int, adapters: set[int], passed_over: list[Request]
+    ) -> None:
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_id
+            if lora and lora not in adapters and len(adapters) >= self.config.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > self._budget:
@@ -227,6 +245,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora:
+                adapters.add(lora)
             batch.requests.append(request)
             batch.num_tokens.append(num_new)
             self._budget -= num_new

@@ -49,6 +49,7 @@ SMALL_FILES = (
     "merges.txt",
     "chat_template.json",
     "chat_template.jinja",
+    "adapter_config.json",  # a LoRA adapter's repo (PEFT): no config.json, this instead
 )
 PROGRESS_EVERY_S = 10.0  # log lines while downloading without a terminal
 
@@ -195,8 +196,9 @@ def _from_cache(repo_id: str, revision: str | None, where: str, why: str) -> Pat
 
 
 def _complete(folder: Path, where: str) -> Path:
-    """`folder` if it holds a config and every weight file its index names."""
-    if not (folder / "config.json").is_file():
+    """`folder` if it holds a config (a model's, or a LoRA adapter's) and every weight file
+    its index names."""
+    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise ModelLoadError(f"model: {where} has no config.json in {folder}")
     index = folder / INDEX
     if index.is_file():

@@ -10,6 +10,8 @@ one matmul, gate/up in one) to halve the number of GEMM launches per layer, and 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from kvfleet.kernels import dispatch
@@ -21,6 +23,9 @@ from kvfleet.runtime.models.config import ModelConfig
 from kvfleet.runtime.models.shard_layout import ShardLayout, shard_layout
 from kvfleet.runtime.models.tp_group import TPGroup
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.models.lora_layer import LoraLayer
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -96,12 +101,19 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
         kernels: dispatch.Kernels,
+        lora: LoraLayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after this layer, every op on the model's `kernels`."""
+        """(hidden, residual) after this layer, every op on the model's `kernels`; with `lora`
+        (the step's adapters), each projection's output gains their delta."""
         num_tokens = hidden.shape[0]
-        qkv, residual = kernels.rms_norm_linear(
-            hidden, self.input_layernorm, self.eps, residual, self.qkv_proj, self.qkv_bias
-        )
+        if lora is None:
+            qkv, residual = kernels.rms_norm_linear(
+                hidden, self.input_layernorm, self.eps, residual, self.qkv_proj, self.qkv_bias
+            )
+        else:  # the adapters read the normalised rows, so the fused norm + GEMM is split
+            normed, residual = kernels.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+            qkv = kernels.linear(normed, self.qkv_proj, self.qkv_bias)
+            lora.add(qkv, normed, "qkv_proj")
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -111,13 +123,26 @@ class LlamaDecoderLayer(nn.Module):
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping
         )
         attn = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        hidden = kernels.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        attn = attn.reshape(num_tokens, self.q_size)
+        hidden = kernels.linear(attn, self.o_proj)
+        if lora is not None:
+            lora.add(hidden, attn, "o_proj")
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
-        gate_up, residual = kernels.rms_norm_linear(
-            hidden, self.post_attention_layernorm, self.eps, residual, self.gate_up_proj
-        )
-        hidden = kernels.silu_and_mul_linear(gate_up, self.down_proj)
+        if lora is None:
+            gate_up, residual = kernels.rms_norm_linear(
+                hidden, self.post_attention_layernorm, self.eps, residual, self.gate_up_proj
+            )
+            hidden = kernels.silu_and_mul_linear(gate_up, self.down_proj)
+        else:
+            normed, residual = kernels.rms_norm(
+                hidden, self.post_attention_layernorm, self.eps, residual
+            )
+            gate_up = kernels.linear(normed, self.gate_up_proj)
+            lora.add(gate_up, normed, "gate_up_proj")
+            act = kernels.silu_and_mul(gate_up)
+            hidden = kernels.linear(act, self.down_proj)
+            lora.add(hidden, act, "down_proj")
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
         return hidden, residual
@@ -238,14 +263,22 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         stack: cpu_decode_step.DecodeStack | None = None,
+        lora: list[LoraLayer] | None = None,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for the step's T scheduled tokens (batch order:
         decodes first, as `meta` describes); K/V of every token is written to `kv_caches`.
         `stack`: the fused decode step over these caches (`build_decode_stack`), used for the
-        steps it takes."""
+        steps it takes; `lora`: each layer's adapters for a step that runs some (op by op)."""
         kernels = self.kernels
         hidden = self._embed(input_ids)
-        if stack is not None and stack.accepts(meta, hidden.shape[0], kernels.policy):
+        if lora is not None:
+            residual = None
+            for layer, kv_cache, layer_lora in zip(self.layers, kv_caches, lora, strict=True):
+                hidden, residual = layer(
+                    positions, hidden, residual, kv_cache, meta, self.cos_sin_cache, kernels,
+                    layer_lora,
+                )  # fmt: skip
+        elif stack is not None and stack.accepts(meta, hidden.shape[0], kernels.policy):
             # The same six kernels per layer as below, in one call (cpu_decode_step).
             hidden, residual = stack.run(hidden, positions, meta, kernels.policy)
         else:

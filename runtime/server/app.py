@@ -27,7 +27,8 @@ from kvfleet.runtime.server import protocol as proto
 from kvfleet.runtime.server import responses
 from kvfleet.runtime.server.errors import APIError, api_error
 from kvfleet.runtime.server.generation import ResponseWriter
-from kvfleet.runtime.server.json_body import parse_json_body
+from kvfleet.runtime.server.json_body import read_json_body
+from kvfleet.runtime.server.lora_adapters import LoraAdapters
 from kvfleet.runtime.server.openapi import OPENAPI_PATH, openapi_document
 from kvfleet.runtime.server.tool_calls.chat_reply import tool_call_replies
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -60,6 +61,7 @@ class ServerSettings:
     max_body_bytes: int = 1024 * 1024
     tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice auto reads calls
     auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    enable_lora: bool = False  # --enable-lora: adapters answer by name (lora_adapters.py)
 
 
 class OpenAIServer:
@@ -84,6 +86,9 @@ class OpenAIServer:
         # encodes, so /health and the streams keep going.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-tokenizer")
         self._writer = ResponseWriter(engine, settings.model_name, self._token_text)
+        self.loras = LoraAdapters(
+            engine, settings.model_name, settings.enable_lora, engine.config.hf_token
+        )
 
     # --- app ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -101,6 +106,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        self.loras.add_routes(app, self._json)
         app.on_cleanup.append(self._close)
         return app
 
@@ -184,14 +190,15 @@ class OpenAIServer:
             "root": self.engine.config.model,
             "max_model_len": info.max_model_len if info is not None else None,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        cards = [card, *self.loras.cards(self._created)]
+        return web.json_response({"object": "list", "data": cards})
 
     # --- generation --------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = proto.parse_completion_request(body)
         _log_ignored(request, req.ignored)
-        self._admit(req.model, len(req.prompts) * req.params.n)
+        lora_id = self._admit(req.model, len(req.prompts) * req.params.n)
         inputs = self._inputs()
 
         def prepare() -> tuple[list[list[int]], list[str] | None]:
@@ -207,7 +214,7 @@ class OpenAIServer:
             return prompts, echo
 
         token_ids, echo_texts = await self._off_loop(prepare)
-        prompts = self._sequences(inputs, token_ids, req.params)
+        prompts = self._sequences(inputs, token_ids, req.params, lora_id=lora_id)
         with self._track():
             if req.stream:
                 return await self._writer.stream_completion(request, req, prompts, echo_texts)
@@ -219,7 +226,7 @@ class OpenAIServer:
         _log_ignored(request, req.ignored)
         s = self.settings
         replies = tool_call_replies(req.tools, req.params, s.tool_call_parser, s.auto_tool_choice)
-        self._admit(req.model, req.params.n)
+        lora_id = self._admit(req.model, req.params.n)
         inputs = self._inputs()
         tools = req.tools.template_tools() if req.tools is not None else None
 
@@ -229,7 +236,7 @@ class OpenAIServer:
             return self._encode(inputs, text, "messages", add_special_tokens=False)
 
         token_ids = await self._off_loop(prepare)
-        (prompt,) = self._sequences(inputs, [token_ids], req.params, prompt_field="messages")
+        (prompt,) = self._sequences(inputs, [token_ids], req.params, "messages", lora_id)
         with self._track():
             if req.stream:
                 return await self._writer.stream_chat(request, req, prompt, replies)
@@ -296,38 +303,17 @@ class OpenAIServer:
 
     # --- admission ---------------------------------------------------------------------------
     async def _json(self, request: web.Request) -> Any:
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise APIError(
-                413,
-                f"body: {request.content_length} bytes exceeds the limit of "
-                f"{limit} bytes (--max-body-bytes)",
-                code="body_too_large",
-            )
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise APIError(
-                413,
-                f"body: exceeds the limit of {limit} bytes (--max-body-bytes)",
-                code="body_too_large",
-            ) from exc
-        if len(raw) > limit:
-            raise APIError(
-                413,
-                f"body: {len(raw)} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
-                code="body_too_large",
-            )
-        return parse_json_body(raw)
+        return await read_json_body(request, self.settings.max_body_bytes)
 
-    def _admit(self, model: str | None, num_sequences: int) -> None:
+    def _admit(self, model: str | None, num_sequences: int) -> int:
         """Refuse a request the queue has no room for: it would queue `num_sequences`
-        sequences (prompts x n), as many as it asks the engine to generate."""
+        sequences (prompts x n), as many as it asks the engine to generate. Returns the LoRA
+        adapter `model` names (0: the base model)."""
         if self.draining:
             raise _unavailable("the server is shutting down; retry on another replica")
         if not self.ready:
             raise _unavailable("the model is still loading")
-        self._check_model(model)
+        lora_id = self._check_model(model)
         limit = self.settings.max_waiting_requests
         if num_sequences > limit:
             # No amount of waiting makes room for it: a client error, not a 503 to retry.
@@ -345,16 +331,11 @@ class OpenAIServer:
                 f"retry after {RETRY_AFTER_S} s",
                 code="queue_full",
             )
+        return lora_id
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
-            raise APIError(
-                404,
-                f"model: {model!r} is not served here; this server serves "
-                f"{self.settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_model(self, model: str | None) -> int:
+        """The LoRA adapter `model` names (0: the base model or none); 404 for another."""
+        return self.loras.lora_id(model)
 
     def _inputs(self) -> InputProcessor:
         inputs = self.engine.inputs
@@ -368,6 +349,7 @@ class OpenAIServer:
         prompts: list[list[int]],
         params: SamplingParams,
         prompt_field: str = "prompt",
+        lora_id: int = 0,
     ) -> list[list[CoreRequest]]:
         """Each prompt's sequences for the core, checked once against the model's limits
         (400 naming the field; a chat's prompt is its messages)."""
@@ -375,7 +357,7 @@ class OpenAIServer:
         now = time.monotonic()
         try:
             return [
-                inputs.sequences(f"{request_id}-{i}", ids, params, now)
+                inputs.sequences(f"{request_id}-{i}", ids, params, now, lora_id=lora_id)
                 for i, ids in enumerate(prompts)
             ]
         except RequestError as exc:

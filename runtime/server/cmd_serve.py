@@ -81,6 +81,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(Llama 3.x), mistral",
     )
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve from the start (with --enable-lora), each name=path where "
+        'path is a PEFT folder or hf://org/repo[@revision], or {"name": ..., "path": ...}',
+    )
+    g.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -102,6 +110,14 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             "tool_call_parser: --enable-auto-tool-choice needs --tool-call-parser (choose one "
             f"of {', '.join(sorted(TOOL_CALL_PARSERS))})"
         )
+    from kvfleet.runtime.server.lora_adapters import parse_lora_modules
+
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.lora_modules and not args.enable_lora:
+        raise ConfigError("lora_modules: adapters need --enable-lora")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -160,8 +176,16 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         auto_tool_choice=args.enable_auto_tool_choice,
+        enable_lora=config.enable_lora,  # type: ignore[attr-defined]
     )
     server = OpenAIServer(engine, metrics, settings)
+    if settings.enable_lora:
+        from kvfleet.runtime.server.lora_metrics import LoraCollector
+
+        max_loras = config.max_loras  # type: ignore[attr-defined]
+        metrics.registry.register(
+            LoraCollector(max_loras, server.loras.names, lambda: engine.stats)
+        )
     runner = OpenAIAppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, shutdown_timeout=5.0)
@@ -200,7 +224,16 @@ async def _serve(args: argparse.Namespace, config: object, key: str | None) -> i
         return 1
 
     # engine.start() returned after the core's warm-up generation passed (prefill, decode,
-    # sampling) and the tokenizer loaded: only now may the pod report ready.
+    # sampling) and the tokenizer loaded; --lora-modules' adapters load before the pod is
+    # ready: a request naming one must not be a 404.
+    for lora_name, source in args.lora_modules:
+        try:
+            await server.loras.load(lora_name, source)
+        except Exception as exc:
+            log.error("--lora-modules %s=%s: %s", lora_name, source, exc)
+            await engine.stop()
+            await runner.cleanup()
+            return 1
     server.ready = True
     log.info("ready: serving %r on http://%s:%s", name, args.host, args.port)
 

@@ -66,7 +66,7 @@ class ResponseWriter:
                 "id": f"cmpl-{uuid.uuid4().hex}",
                 "object": "text_completion",
                 "created": responses.now(),
-                "model": self.model_name,
+                "model": req.model or self.model_name,
                 "choices": body,
                 "usage": responses.usage(
                     _prompt_tokens(prompts), sum(c.num_tokens for c in choices.values())
@@ -108,7 +108,7 @@ class ResponseWriter:
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
                 "created": responses.now(),
-                "model": self.model_name,
+                "model": req.model or self.model_name,
                 "choices": body,
                 "usage": responses.usage(
                     _prompt_tokens([prompt]), sum(c.num_tokens for c in choices)
@@ -140,7 +140,13 @@ class ResponseWriter:
         echo: list[str] | None,
     ) -> web.StreamResponse:
         n = req.params.n
-        sse = _SSE(request, f"cmpl-{uuid.uuid4().hex}", "text_completion", self.model_name, req)
+        sse = _SSE(
+            request,
+            f"cmpl-{uuid.uuid4().hex}",
+            "text_completion",
+            req.model or self.model_name,
+            req,
+        )
         sse.prompt_tokens = _prompt_tokens(prompts)
         wants_logprobs = req.params.logprobs is not None
 
@@ -187,7 +193,11 @@ class ResponseWriter:
         replies: ReplyFactory | None = None,
     ) -> web.StreamResponse:
         sse = _SSE(
-            request, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", self.model_name, req
+            request,
+            f"chatcmpl-{uuid.uuid4().hex}",
+            "chat.completion.chunk",
+            req.model or self.model_name,
+            req,
         )
         sse.prompt_tokens = _prompt_tokens([prompt])
         n = req.params.n

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from aiohttp import web
 from kvfleet.runtime.server.errors import APIError
 
 # No OpenAI request nests deeper than a few levels (content parts, chat_template_kwargs); a
@@ -65,3 +66,27 @@ def _check_unicode(text: str, where: str) -> None:
             param=where,
             code="invalid_unicode",
         ) from exc
+
+
+async def read_json_body(request: web.Request, limit: int) -> Any:
+    """`parse_json_body` of a request's body, refused (413) beyond `limit` bytes: by its
+    Content-Length before reading, else by what arrives."""
+    too_large = f"body: exceeds the limit of {limit} bytes (--max-body-bytes)"
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(
+            413,
+            f"body: {request.content_length} bytes exceeds the limit of "
+            f"{limit} bytes (--max-body-bytes)",
+            code="body_too_large",
+        )
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, too_large, code="body_too_large") from exc
+    if len(raw) > limit:
+        raise APIError(
+            413,
+            f"body: {len(raw)} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
+            code="body_too_large",
+        )
+    return parse_json_body(raw)

@@ -249,7 +249,9 @@ async def test_64_concurrent_streams_equal_the_offline_api(tiny_server, model, o
 def test_metrics_are_pinned_and_token_counters_match_usage(tiny_server, tiny_client, model):
     before = scrape(tiny_server)
     names = {n for n, _ in before}
-    assert contract.exposed_names() <= names
+    # The LoRA series exist only under --enable-lora (test_lora_server.py reads them there).
+    assert contract.exposed_names() - set(contract.LORA_GAUGES) <= names
+    assert not names & set(contract.LORA_GAUGES)
     assert all(
         dict(labels).get("model_name") == model for n, labels in before if n.startswith("vllm:")
     )
