@@ -153,7 +153,8 @@ class Kernels:
         (none for base-model tokens): several adapters in one projection. Triton's gather
         kernels on CUDA; on CPU two matmuls per run of one adapter's rows, which the model
         runner makes contiguous (a gather of every token's A and B would stream them once per
-        token)."""
+        token), in the tensors' dtype: in bf16 the rank-r intermediate is rounded once more
+        than in `reference.add_lora`, which sums in float32."""
         if self.use_triton(x):
             from kvfleet.kernels.triton import triton_lora
 

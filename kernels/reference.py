@@ -326,3 +326,41 @@ def rotary_embedding(
         return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
 
     return rotate(query), rotate(key)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """Multi-LoRA shrink, the specification the Triton kernel is tested against: [T, R] float32
+    whose row t is lora_a[s] @ x[t] for s = token_slots[t], zeros where s is -1 (base model).
+
+    x: [T, in]; lora_a: [L, R, in], one slot per resident adapter, ranks padded with zero rows
+    to R. Tokens are grouped by slot, so each adapter is one float32 matmul over its tokens (a
+    per-token gather of A would copy R × in values for every token of a prefill)."""
+    shrunk = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = token_slots == slot
+            shrunk[rows] = x[rows].float() @ lora_a[slot].float().T
+    return shrunk
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> None:
+    """y[t] += lora_b[s] @ (lora_a[s] @ x[t]) in place for every token t whose slot s =
+    token_slots[t] is not -1; the specification the Triton kernel is tested against.
+
+    x: [T, in] the projection's input; y: [T, out] its base output (any strides: a column slice
+    of a fused qkv output is updated through the view); lora_a: [L, R, in]; lora_b: [L, out, R]
+    with the adapter's alpha / r scaling folded in; token_slots: int64 [T], values in [-1, L).
+    The shrink is accumulated in float32 and the delta added to y in float32, then rounded once
+    to y's dtype. Rows of slot -1 are not written at all, so they stay bit-identical."""
+    shrunk = lora_shrink(x, lora_a, token_slots)
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = token_slots == slot
+            delta = shrunk[rows] @ lora_b[slot].float().T
+            y[rows] = (y[rows].float() + delta).to(y.dtype)

@@ -37,3 +37,39 @@ def bf16_gemm_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     """Each engine of the bf16 decode-sized GEMM in turn, with the kernel policy that runs it
     (`bf16_engines.bf16_engine`)."""
     return bf16_engine(monkeypatch, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> list[Path]:
+    """Four random PEFT adapters of the tiny Llama: ranks 8, 4, 16 and 8, on every projection,
+    on q/v only, on the MLP only, and on every projection again (another seed)."""
+    from lora_adapters import make_lora_adapter
+
+    root = tmp_path_factory.mktemp("tiny-loras")
+    specs = [
+        {"rank": 8, "seed": 1, "std": 0.1},
+        {"rank": 4, "seed": 2, "target_modules": ("q_proj", "v_proj"), "std": 0.3},
+        {"rank": 16, "seed": 3, "target_modules": ("gate_proj", "up_proj", "down_proj")},
+        {"rank": 8, "seed": 4, "std": 0.1, "use_rslora": True},
+    ]
+    return [
+        make_lora_adapter(tiny_llama_dir, root / f"lora{i}", **spec) for i, spec in enumerate(specs)
+    ]
+
+
+@pytest.fixture(scope="session")
+def bundled_lora_dirs(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> list[Path]:
+    """Two random rank-8 PEFT adapters of the bundled model (every projection; q/k/v/o only)."""
+    from lora_adapters import make_lora_adapter
+
+    root = tmp_path_factory.mktemp("bundled-loras")
+    return [
+        make_lora_adapter(bundled_dir, root / "all", seed=11, std=0.02),
+        make_lora_adapter(
+            bundled_dir,
+            root / "attention",
+            seed=12,
+            std=0.03,
+            target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+        ),
+    ]

@@ -56,6 +56,29 @@ def merged_model(base: Path | str, adapter: Path | str) -> Any:
     return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
 
 
+def greedy_tokens_batch(
+    model: Any, prompts: list[list[int]], max_tokens: int, eos_token_id: int
+) -> list[list[int]]:
+    """transformers' greedy continuations of equally long prompts, in one batch (no padding,
+    so each row is computed as it would be alone), each cut after its first EOS."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("prompts: must all have the same length (no padding)")
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+        )
+    rows = []
+    for row in out[:, ids.shape[1] :].tolist():
+        rows.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
+    return rows
+
+
 def greedy_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy continuation of `prompt` (token ids), new tokens only."""
     ids = torch.tensor([prompt])
