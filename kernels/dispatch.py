@@ -160,6 +160,22 @@ class Kernels:
 
             triton_lora.add_lora(y, x, lora_a, lora_b, mapping.token_slots)
             return
+        slots, rank, _ = lora_a.shape
+        a_flat = lora_a.view(slots * rank, -1) if lora_a.is_contiguous() else None
+        # B stored as [out, slots * rank] (LoraSlots does): one weight for every adapter.
+        b_flat = lora_b.permute(1, 0, 2).reshape(lora_b.shape[1], slots * rank)
+        if (
+            a_flat is not None
+            and b_flat.data_ptr() == lora_b.data_ptr()
+            and cpu_gemm_f32.takes(x, a_flat, policy=self.policy)
+        ):
+            # Decode-sized float32 steps: every slot's delta in two calls of the C GEMM, the
+            # columns of other slots zeroed between them: a few calls per projection instead
+            # of two matmuls per adapter, whose fixed cost dominated at these sizes.
+            shrunk = cpu_gemm_f32.linear(x, a_flat)
+            shrunk.mul_(mapping.column_mask(slots, rank, shrunk.dtype))
+            y.add_(cpu_gemm_f32.linear(shrunk, b_flat))
+            return
         for slot, start, end in mapping.segments:
             shrunk = torch.mm(x[start:end], lora_a[slot].t())
             y[start:end].addmm_(shrunk, lora_b[slot].t())

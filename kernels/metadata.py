@@ -48,3 +48,15 @@ class LoraMapping:
     token_slots: torch.Tensor  # int64 [T] on the device: each token's slot, -1 for the base model
     # Host copy as runs of equal slots: (slot, first row, end row), base-model rows left out.
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def column_mask(self, slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, slots * rank]: 1 where the column belongs to the row's slot, else 0 (every
+        column of a base-model row). Built once per step and shape, shared by all layers."""
+        key = (slots, rank, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            owner = torch.arange(slots, device=self.token_slots.device).repeat_interleave(rank)
+            mask = (self.token_slots[:, None] == owner[None, :]).to(dtype)
+            self._masks[key] = mask
+        return mask

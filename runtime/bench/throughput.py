@@ -1,15 +1,18 @@
 """`kvfleet bench throughput`: offline throughput of the engine on the standard workload, against
 Hugging Face transformers static batching in the same run and dtype, with MFU against this
-machine's matmul rate measured in the same run."""
+machine's matmul rate measured in the same run; with --loras N, also the workload spread over N
+LoRA adapters against the base model alone."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
@@ -31,6 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG of the run's timeline here")
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        help="also run the workload spread evenly over this many random LoRA adapters, and "
+        "report its rate against the base model's in the same run",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="the --loras adapters' rank")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -77,7 +88,9 @@ def measure_matmul_flops(dtype: Any, device: Any, size: int = 2048, repeats: int
     return 2 * size**3 / best
 
 
-def run_engine(engine: Any, workload: list[Any], temperature: float = 0.0) -> EngineRun:
+def run_engine(
+    engine: Any, workload: list[Any], temperature: float = 0.0, loras: list[Any] | None = None
+) -> EngineRun:
     from kvfleet.runtime.engine.sampling_params import SamplingParams
 
     # Outside the timed region: first-call allocations, oneDNN kernel selection.
@@ -92,7 +105,8 @@ def run_engine(engine: Any, workload: list[Any], temperature: float = 0.0) -> En
         params = SamplingParams(
             max_tokens=item.output_len, temperature=temperature, ignore_eos=True, seed=i
         )
-        engine.add_request(f"bench-{i}", item.prompt_token_ids, params)
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(f"bench-{i}", item.prompt_token_ids, params, lora_request=lora)
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -185,6 +199,13 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet.runtime.engine.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
+    if args.loras:
+        config = dataclasses.replace(
+            config,
+            enable_lora=True,
+            max_loras=max(config.max_loras, args.loras),
+            max_lora_rank=max(config.max_lora_rank, args.lora_rank),
+        )
     engine = LLMEngine(config)
     workload = standard_workload(
         engine.tokenizer,
@@ -254,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         out["baseline"] = "none"
         out["baseline_output_tokens_per_s"] = None
         out["ratio"] = None
+    if args.loras:
+        out.update(_lora_runs(engine, workload, args.loras, args.lora_rank))
     _print_table(out)
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -261,6 +284,32 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(result, out, args.plot)
     return 0
+
+
+def _lora_runs(engine: Any, workload: list[Any], count: int, rank: int) -> dict[str, Any]:
+    """The workload spread evenly over `count` random rank-`rank` adapters, between two runs of
+    the base model alone (A-B-A, as above: the base figure is their mean)."""
+    import tempfile
+
+    from kvfleet.runtime.bench.lora_adapters import write_random_adapters
+
+    with tempfile.TemporaryDirectory(prefix="kvfleet-bench-lora-") as folder:
+        loras = write_random_adapters(engine.model_config, count, rank, Path(folder))
+        base = [run_engine(engine, workload)]
+        with_loras = run_engine(engine, workload, loras=loras)
+        base.append(run_engine(engine, workload))
+    base_tps = with_loras.output_tokens / statistics.fmean(r.elapsed for r in base)
+    lora_tps = with_loras.output_tokens / with_loras.elapsed
+    print(f"LoRA: {count} adapters of rank {rank}: {lora_tps:.1f} output tokens/s, "
+          f"base model {base_tps:.1f} (x{lora_tps / base_tps:.2f})", file=sys.stderr)  # fmt: skip
+    return {
+        "loras": count,
+        "lora_rank": rank,
+        "lora_output_tokens_per_s": lora_tps,
+        "lora_base_output_tokens_per_s": base_tps,
+        "lora_base_elapsed_runs_s": [r.elapsed for r in base],
+        "lora_ratio": lora_tps / base_tps,
+    }
 
 
 def _device_name(device: Any) -> str:

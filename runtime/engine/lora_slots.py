@@ -76,16 +76,16 @@ class LoraSlots:
             "down_proj": h,
         }
         ins = {"qkv_proj": h, "o_proj": config.num_heads * d, "gate_up_proj": h, "down_proj": inter}
-        self.stacks = [
-            {
-                p: (
-                    torch.zeros(max_loras, len(s) * max_rank, ins[p], dtype=dtype, device=device),
-                    torch.zeros(max_loras, outs[p], len(s) * max_rank, dtype=dtype, device=device),
-                )
-                for p, s in SLICES.items()
-            }
-            for _ in range(config.num_layers)
-        ]
+
+        def stack(projection: str) -> tuple[torch.Tensor, torch.Tensor]:
+            width = len(SLICES[projection]) * max_rank
+            a = torch.zeros(max_loras, width, ins[projection], dtype=dtype, device=device)
+            # B held as one [out, slots * width] matrix (the CPU path multiplies by all of it
+            # at once), seen by the kernels as [slots, out, width].
+            b = torch.zeros(outs[projection], max_loras * width, dtype=dtype, device=device)
+            return a, b.view(outs[projection], max_loras, width).permute(1, 0, 2)
+
+        self.stacks = [{p: stack(p) for p in SLICES} for _ in range(config.num_layers)]
         self._slot_adapter: list[int | None] = [None] * max_loras
         # The (layer, projection) pairs each slot's adapter targets: `targets` counts them.
         self._slot_targets: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]

@@ -210,23 +210,38 @@ def test_shrink_argument_errors():
         triton_lora.lora_shrink(args["x"], args["lora_a"].double(), args["token_slots"])
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
-def test_the_cpu_path_matches_the_reference(dtype):
-    """`Kernels.add_lora` on CPU (two matmuls per run of one slot's rows, the model runner
-    having made each slot's rows consecutive): the reference's numbers, rounded in the
-    tensors' dtype (bf16 rounds the rank-R intermediate once more than the reference)."""
+@pytest.mark.parametrize(
+    "dtype,b_as_one_matrix",
+    [(F32, False), (BF16, False), (F32, True)],
+    ids=["float32-runs", "bfloat16-runs", "float32-one-matrix"],
+)
+def test_the_cpu_path_matches_the_reference(dtype, b_as_one_matrix, monkeypatch):
+    """`Kernels.add_lora` on CPU: two matmuls per run of one slot's rows (the model runner
+    having made each slot's rows consecutive), or, for B stored as one [out, slots * R]
+    matrix (as LoraSlots stores it) in float32, two GEMM calls over every slot with the other
+    slots' columns masked: the reference's numbers, rounded in the tensors' dtype (bf16 rounds
+    the rank-R intermediate once more than the reference)."""
     from kvfleet.kernels.dispatch import Kernels
     from kvfleet.kernels.metadata import LoraMapping
     from kvfleet.kernels.policy import KernelPolicy
 
     gen = torch.Generator().manual_seed(5)
     x, y, lora_a, lora_b, _ = _case(gen, 10, 96, 80, 3, 16, dtype)
+    if b_as_one_matrix:
+        lora_b = lora_b.permute(1, 0, 2).contiguous().permute(1, 0, 2)
     token_slots = torch.tensor([-1, -1, 0, 0, 0, 2, 2, -1, 1, 1])
     segments = [(0, 2, 5), (2, 5, 7), (1, 8, 10)]
     want = y.clone()
     reference.add_lora(want, x, lora_a, lora_b, token_slots)
+    from kvfleet.kernels.cpu import cpu_gemm_f32
+
+    gemm_calls = []
+    linear = cpu_gemm_f32.linear
+    monkeypatch.setattr(cpu_gemm_f32, "linear", lambda *a: gemm_calls.append(1) or linear(*a))
     Kernels(KernelPolicy(backend="torch")).add_lora(
         y, x, lora_a, lora_b, LoraMapping(token_slots, segments)
     )
     torch.testing.assert_close(y, want, **TOL[dtype])
-    assert torch.equal(y[[0, 1, 7]], want[[0, 1, 7]])  # base-model rows untouched
+    assert len(gemm_calls) == (2 if b_as_one_matrix and cpu_gemm_f32.available() else 0)
+    if not b_as_one_matrix:  # the masked GEMM adds zeros to them, which may round -0.0
+        assert torch.equal(y[[0, 1, 7]], want[[0, 1, 7]])  # base-model rows untouched
