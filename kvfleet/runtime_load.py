@@ -9,7 +9,9 @@ Several series per metric (one per `model_name` label set) are combined per page
 - KV-cache usage takes the maximum, not the mean: the fullest cache is the one that queues
   and preempts requests, and averaging it with an idle one would hide the pressure;
 - the block size (from the optional `vllm:cache_config_info`, GIE's model-server protocol)
-  is the smallest one found: a prefix shorter than a full block is never cached.
+  is the smallest one found: a prefix shorter than a full block is never cached;
+- the LoRA adapters loaded are the `lora_name` labels of `kvfleet:lora_adapter_loaded` series
+  of value 1 (a server without --enable-lora has none), for the router's adapter affinity.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvfleet.contract import (
     CACHE_CONFIG_INFO,
     KV_CACHE_USAGE_PERC,
+    LORA_ADAPTER_LOADED,
+    LORA_NAME_LABEL,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
     REQUEST_SUCCESS,
@@ -42,10 +46,12 @@ class RuntimeLoad(NamedTuple):
     # vllm:request_success_total summed over its label sets: requests finished, ever. 0 where
     # the counter has no sample yet (no request finished since the runtime started).
     finished: float = 0.0
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters loaded, by name
 
 
 def parse_runtime_metrics(text: str) -> RuntimeLoad:
-    """Read (waiting, running, kv_usage, block_size) from a Prometheus text exposition.
+    """Read the runtime's load (waiting, running, kv_usage, block_size, finished, adapters) from
+    a Prometheus text exposition.
 
     Raises MetricsParseError when the text is malformed or lacks one of the three gauges:
     a page without them is not a kvfleet/vLLM runtime, and absent is not zero.
@@ -57,6 +63,7 @@ def parse_runtime_metrics(text: str) -> RuntimeLoad:
     }
     block_sizes: list[int] = []
     finished = 0.0
+    adapters: set[str] = set()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -68,6 +75,8 @@ def parse_runtime_metrics(text: str) -> RuntimeLoad:
                     size = sample.labels.get("block_size", "")
                     if size.isdigit() and int(size) > 0:
                         block_sizes.append(int(size))
+                elif sample.name == LORA_ADAPTER_LOADED and sample.value == 1:
+                    adapters.add(sample.labels.get(LORA_NAME_LABEL, ""))
     except ValueError as error:
         raise MetricsParseError(f"malformed metrics text: {error}") from error
     for name, found in values.items():
@@ -81,4 +90,5 @@ def parse_runtime_metrics(text: str) -> RuntimeLoad:
         kv_usage=max(values[KV_CACHE_USAGE_PERC]),
         block_size=min(block_sizes) if block_sizes else None,
         finished=finished,
+        adapters=frozenset(adapters - {""}),
     )

@@ -12,25 +12,25 @@ and starts the loop again after a pause. The loop ends itself when its Inference
 gone, found by a read before each poll should the DELETED event have been missed.
 
 Settings in `OperatorConfig.extra` (for tests and the demo; a cluster needs neither):
-- `RUNTIME_PORT_SETTING`: the port scraped on each pod IP (default contract.RUNTIME_PORT);
+- `RUNTIME_PORT_SETTING`: the port scraped on each pod IP (default contract.RUNTIME_PORT), and
+  the one the LoRA adapters' loop (lora_tasks.py) loads adapters through;
 - `OBSERVERS_SETTING`: callables given a `PollReport` after each poll (the demo's live view).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscale_poll import AutoscalerState, poll_once
 from kvfleet.operator.autoscale_report import AUTOSCALER_READY, PollReport
-from kvfleet.operator.kube_api import ISVCS, KubeApi, KubeApiError
+from kvfleet.operator.kube_api import KubeApi, KubeApiError
+from kvfleet.operator.object_loops import WatchedObject, gone, pause
 from kvfleet.operator.spec import SpecError, parse_autoscaling
 
 from kvfleet import contract
@@ -56,21 +56,6 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True)
-class WatchedObject:
-    """One InferenceService as its latest watch event showed it, and the request to stop its
-    loop. `body` is replaced by each event, never changed in place: a poll reads one version."""
-
-    body: Mapping[str, Any]
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def namespaced_name(self) -> str:
-        """namespace/name, for logs."""
-        meta = self.body["metadata"]
-        return f"{meta['namespace']}/{meta['name']}"
-
-
 async def poll_until_stopped(config: OperatorConfig, watched: WatchedObject) -> None:
     """Poll every pollIntervalSeconds until `watched.stop` is set or the InferenceService is
     gone. Raises what a poll raised that is not worth a retry (autoscale_tasks.py restarts it)."""
@@ -82,7 +67,7 @@ async def poll_until_stopped(config: OperatorConfig, watched: WatchedObject) -> 
         while not watched.stop.is_set():
             started = time.monotonic()
             isvc = watched.body
-            if await asyncio.to_thread(_gone, api, isvc):
+            if await asyncio.to_thread(gone, api, isvc):
                 metrics.forget(isvc["metadata"]["namespace"], isvc["metadata"]["name"])
                 return
             try:
@@ -104,28 +89,9 @@ async def poll_until_stopped(config: OperatorConfig, watched: WatchedObject) -> 
             await pause(watched.stop, max(0.0, interval - (time.monotonic() - started)))
 
 
-async def pause(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep for `seconds`, or until `stop` is set."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-
-
 def _poll_interval(spec: Mapping[str, Any]) -> float:
     try:
         return parse_autoscaling(spec.get("autoscaling")).check().poll_interval_seconds
     except SpecError:
         # The poll reported the spec as unusable; look again at the CRD's default interval.
         return parse_autoscaling(None).poll_interval_seconds
-
-
-def _gone(api: KubeApi, body: Mapping[str, Any]) -> bool:
-    """Whether this loop's InferenceService was deleted (or deleted and created again)."""
-    meta = body["metadata"]
-    try:
-        live = api.get(ISVCS, meta["namespace"], meta["name"])
-    except KubeApiError:
-        return False  # cannot tell: poll as usual, which reports the API problem
-    if live is None:
-        return True
-    live_meta = live.get("metadata") or {}
-    return live_meta.get("uid") != meta.get("uid") or bool(live_meta.get("deletionTimestamp"))

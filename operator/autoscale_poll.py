@@ -34,7 +34,7 @@ from kvfleet.operator.autoscale_report import (
 )
 from kvfleet.operator.autoscaler import History, PodSample, decide_replicas
 from kvfleet.operator.idle import IdleClock, observe
-from kvfleet.operator.kube_api import DEPLOYMENTS, ISVCS, PODS, KubeApi, KubeApiError
+from kvfleet.operator.kube_api import DEPLOYMENTS, EVENTS, ISVCS, PODS, KubeApi, KubeApiError
 from kvfleet.operator.metrics_source import (
     MetricsUnavailable,
     PodTarget,
@@ -46,8 +46,6 @@ from kvfleet.operator.spec import AutoscalingSpec, SpecError, parse_autoscaling
 from kvfleet import contract
 
 log = logging.getLogger("kvfleet.autoscaler")
-
-EVENTS = ("", "v1", "events")
 
 
 def scrape_timeout(poll_interval: float) -> float:

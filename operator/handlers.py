@@ -30,6 +30,7 @@ from kvfleet.operator.kube_api import (
     KubeApi,
     KubeApiError,
 )
+from kvfleet.operator.lora_tasks import register_lora_sync
 from kvfleet.operator.refresh_queue import RefreshQueue
 from kvfleet.operator.render import (
     DEFAULT_CLUSTER_DOMAIN,
@@ -103,7 +104,9 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     domain = config.cluster_domain
-    spec, problems = check_spec(isvc.get("spec") or {}, max_gpus_per_node=config.max_gpus_per_node)
+    spec, problems = check_spec(
+        isvc.get("spec") or {}, max_gpus_per_node=config.max_gpus_per_node, name=name
+    )
     if problems or spec is None:
         deployment = api.get(DEPLOYMENTS, namespace, name)
         return compute_status(isvc, deployment, problems=problems, cluster_domain=domain)
@@ -311,4 +314,5 @@ def build_registry(
             queue.add(body.metadata["namespace"], name)
 
     register_autoscaler(registry, config)
+    register_lora_sync(registry, config, queue.add)
     return registry

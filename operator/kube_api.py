@@ -19,6 +19,8 @@ from kvfleet import contract
 DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICES = ("", "v1", "services")
 PODS = ("", "v1", "pods")
+EVENTS = ("", "v1", "events")
+SECRETS = ("", "v1", "secrets")  # read for the API key the operator loads adapters with
 PDBS = ("policy", "v1", "poddisruptionbudgets")
 SERVICE_ACCOUNTS = ("", "v1", "serviceaccounts")
 ROLES = ("rbac.authorization.k8s.io", "v1", "roles")

@@ -13,6 +13,7 @@ from typing import Any
 from kvfleet.operator.model_cache import ModelCachePlan, plan_model_cache
 from kvfleet.operator.model_uri import parse_model_uri
 from kvfleet.operator.quantity import parse_bytes
+from kvfleet.operator.render_lora import lora_args, lora_volumes, runtime_hub_env
 from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, SecretKeyRef, parse_spec
 from kvfleet.operator.spec_check import gpus_per_replica
 
@@ -131,7 +132,7 @@ def runtime_args(spec: InferenceServiceSpec, name: str) -> list[str]:
     ]  # fmt: skip
     if rt.tensor_parallel_size > 1:  # only then: templates of one-rank services stay as they were
         args += ["--tensor-parallel-size", str(rt.tensor_parallel_size)]
-    return args + list(rt.extra_args)
+    return args + lora_args(spec) + list(rt.extra_args)
 
 
 def download_args(spec: InferenceServiceSpec) -> list[str]:
@@ -147,14 +148,11 @@ def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
-def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _env(spec: InferenceServiceSpec, plan: ModelCachePlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": HF_HOME}]
     if spec.api_key_secret_ref is not None:
         env.append(_secret_env(contract.API_KEY_ENV, spec.api_key_secret_ref))
-    if parse_model_uri(spec.model.uri).from_hub:
-        # The weights are on disk before the runtime starts (init container or a filled
-        # claim): it must not reach for the Hub, so it needs no token either.
-        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    env += runtime_hub_env(spec, plan)  # offline, unless LoRA adapters come from the Hub
     # User entries come last so that they can override ours (Kubernetes keeps the last one).
     env.extend(dict(e) for e in spec.env)
     return env
@@ -237,6 +235,9 @@ def _volumes(
             }
         )
         mounts.append({"name": "model", "mountPath": source.mount_path, "readOnly": True})
+    lora_vols, lora_mounts = lora_volumes(spec)
+    volumes += lora_vols
+    mounts += lora_mounts
     # The user's extra volumes come last; the CRD keeps their names and paths off ours.
     volumes += [dict(v) for v in spec.volumes]
     mounts += [dict(m) for m in spec.volume_mounts]
@@ -267,7 +268,7 @@ def pod_template(
         "command": ["kvfleet"],
         "args": runtime_args(spec, name),
         "ports": [{"name": "http", "containerPort": contract.RUNTIME_PORT, "protocol": "TCP"}],
-        "env": _env(spec),
+        "env": _env(spec, plan),
         "resources": _resources(spec, plan),
         "readinessProbe": _probe(period=5, failures=3),
         "livenessProbe": _probe(period=10, failures=3),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.operator.crd_defaults import apply_defaults, section_schema, spec_schema
+from kvfleet.operator.lora_spec import LoraSpec, parse_loras
 from kvfleet.operator.spec_fields import (
     SpecError,
     defaulted_at,
@@ -73,6 +74,8 @@ class RuntimeSpec:
     dtype: str
     tensor_parallel_size: int
     drain_timeout_seconds: int
+    max_loras: int  # rendered only with spec.loras, as are both LoRA flags
+    max_lora_rank: int
     extra_args: tuple[str, ...]
 
 
@@ -239,6 +242,12 @@ class InferenceServiceSpec:
     volume_mounts: tuple[Mapping[str, Any], ...]
     pod_labels: Mapping[str, str]
     router: RouterSpec
+    loras: tuple[LoraSpec, ...]  # lora_spec.py; loaded into the pods by lora_sync.py
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the runtime serves LoRA adapters: while spec.loras lists any."""
+        return bool(self.loras)
 
 
 def _secret_ref(raw: Mapping[str, Any], key: str, path: str) -> SecretKeyRef | None:
@@ -368,6 +377,8 @@ def parse_spec(
         dtype=defaulted_at(rt, "dtype", str, rp),
         tensor_parallel_size=defaulted_at(rt, "tensorParallelSize", int, rp),
         drain_timeout_seconds=defaulted_at(rt, "drainTimeoutSeconds", int, rp),
+        max_loras=defaulted_at(rt, "maxLoras", int, rp),
+        max_lora_rank=defaulted_at(rt, "maxLoraRank", int, rp),
         extra_args=strings_at(rt, "extraArgs", rp),
     )
 
@@ -412,4 +423,5 @@ def parse_spec(
         volumes=lists["volumes"],
         volume_mounts=lists["volumeMounts"],
         router=_router(object_at(raw, "router", p)),
+        loras=parse_loras(raw.get("loras"), f"{p}.loras"),
     )

@@ -7,10 +7,12 @@ the schema's own rules again for servers where the CRD was not installed with va
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.operator.lora_spec import VOLUME_PREFIX
 from kvfleet.operator.model_uri import ModelURIError, parse_model_uri
 from kvfleet.operator.quantity import parse_bytes
 from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -20,6 +22,7 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 BLOCK_SIZES = (8, 16, 32)
 # The pod's own volumes and mount paths (render.py): a user volume must not shadow them.
 RESERVED_VOLUMES = frozenset({"dshm", "tmp", "cache", "hf-cache", "model"})
+RESERVED_VOLUME = re.compile(rf"^{VOLUME_PREFIX}[0-9a-f]{{12}}$")  # adapters' claims
 RESERVED_MOUNT_PATHS = ("/dev/shm", "/tmp", "/var/cache/kvfleet")
 
 
@@ -39,9 +42,13 @@ def gpus_per_replica(spec: InferenceServiceSpec) -> int:
 
 
 def check_spec(
-    raw_spec: Mapping[str, Any], *, max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
+    raw_spec: Mapping[str, Any],
+    *,
+    max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE,
+    name: str = "",
 ) -> tuple[InferenceServiceSpec | None, list[SpecProblem]]:
-    """Parse and check a raw spec; returns the parsed spec (None if unparseable) and problems."""
+    """Parse and check a raw spec; returns the parsed spec (None if unparseable) and problems.
+    `name` is the object's (the served model name when spec.model.servedName is empty)."""
     try:
         spec = parse_spec(raw_spec)
     except SpecError as exc:
@@ -153,6 +160,7 @@ def check_spec(
             )
         )
     problems += _volume_problems(spec)
+    problems += _lora_problems(spec, name)
     if auto.enabled and auto.metrics_source == "prometheus" and not auto.prometheus_url:
         problems.append(
             SpecProblem(
@@ -166,7 +174,8 @@ def check_spec(
 def _volume_problems(spec: InferenceServiceSpec) -> list[SpecProblem]:
     problems = []
     names = {v.get("name") for v in spec.volumes}
-    for name in sorted(n for n in names if n in RESERVED_VOLUMES):
+    reserved = [n for n in names if n in RESERVED_VOLUMES or RESERVED_VOLUME.match(str(n))]
+    for name in sorted(reserved):
         problems.append(
             SpecProblem(
                 "InvalidSpec", f"spec.volumes: {name!r} is one of the operator's own volumes"
@@ -189,3 +198,18 @@ def _volume_problems(spec: InferenceServiceSpec) -> list[SpecProblem]:
                 )
             )
     return problems
+
+
+def _lora_problems(spec: InferenceServiceSpec, name: str) -> list[SpecProblem]:
+    # Parsing refused bad names, bad sources and names given twice; the served name is the
+    # object's when unset, which the spec alone does not know.
+    served = spec.model.served_name or name
+    return [
+        SpecProblem(
+            "InvalidSpec",
+            f"spec.loras: {lora.name!r} is the model's own served name; an adapter needs a "
+            "name of its own (clients pick the model or an adapter by it)",
+        )
+        for lora in spec.loras
+        if served and lora.name == served
+    ]

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvfleet.operator import conditions as c
 from kvfleet.operator.apply_router import RouterOutcome
+from kvfleet.operator.lora_status import lora_problem
 from kvfleet.operator.render import (
     DEFAULT_CLUSTER_DOMAIN,
     DOWNLOAD_CONTAINER_NAME,
@@ -150,9 +151,12 @@ def compute_status(
         "url": service_url(name, namespace, cluster_domain),
     }
     try:
-        status["model"] = served_name(parse_spec(isvc.get("spec") or {}), name)
+        spec = parse_spec(isvc.get("spec") or {})
     except SpecError:
-        status["model"] = ""
+        spec = None
+    status["model"] = served_name(spec, name) if spec is not None else ""
+    if spec is not None and not spec.loras and "loras" in old:
+        status["loras"] = None  # a merge patch's null: no adapters, no status of them
     updates: list[c.Condition]
 
     if problems:
@@ -237,6 +241,8 @@ def compute_status(
             degraded = c.Condition(
                 c.DEGRADED, c.TRUE, router.problem.reason, router.problem.message
             )
+        if degraded is None and spec is not None:  # status.loras: the adapters' loop wrote it
+            degraded = lora_problem(spec.loras, old.get("loras"))
         if degraded is None:
             degraded = c.Condition(c.DEGRADED, c.FALSE, "AsExpected", "")
         updates = [readiness, progress, degraded]

@@ -161,13 +161,22 @@ class Router:
             parsed = None  # the replica answers it with the precise 400
         block = self.pool.block_size
         key = prefix_key(parsed, chat, self.settings.prefix_blocks * block, block)
-        return await self._route(request, body, key)
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        return await self._route(
+            request, body, key, model=model if isinstance(model, str) else None
+        )
 
     async def _route(
-        self, request: web.Request, body: bytes | None, key: bytes | None, counted: bool = True
+        self,
+        request: web.Request,
+        body: bytes | None,
+        key: bytes | None,
+        counted: bool = True,
+        model: str | None = None,
     ) -> web.StreamResponse:
-        """Relay the request to a replica picked for `key`, trying others as forward.py allows;
-        only generation requests (`counted`) count in the pick metrics."""
+        """Relay the request to a replica picked for `key` (and `model`, which may name a LoRA
+        adapter only some replicas have), trying others as forward.py allows; only generation
+        requests (`counted`) count in the pick metrics."""
         tried: set[str] = set()
         failure: UpstreamFailed | None = None
         for attempt in range(self.settings.max_attempts):
@@ -187,6 +196,7 @@ class Router:
                 exclude=tried,
                 rng=self._rng,
                 placement=placement,
+                model=model,
             )
             if pick is None:
                 break

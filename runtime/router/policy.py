@@ -24,6 +24,15 @@
    ranking that is not.
 5. When every replica is overloaded, the least-loaded one.
 
+A request whose `model` names a LoRA adapter some replica has loaded (its scraped
+`kvfleet:lora_adapter_loaded` series) is picked for, as above, among the replicas that have it
+only: its prefix affinity, placement and balance bound all apply within that set. A replica
+without the adapter would answer 404, so it is never a fallback, not even for an overloaded
+set (the least-loaded replica that has it is); only when no healthy replica has it (its load
+is under way, or it is not in spec.loras) is the request picked for as any other, and the
+replica answers. Base-model requests are picked for as before; `least-loaded` and `random`
+keep to the adapter's replicas too.
+
 `least-loaded` and `random` ignore the key (baselines for benchmarks).
 """
 
@@ -58,6 +67,7 @@ class ReplicaView:
     running: float = 0.0
     kv_usage: float = 0.0
     in_flight: int = 0
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, by name
 
     @property
     def load(self) -> float:
@@ -107,10 +117,13 @@ def pick_replica(
     exclude: Collection[str] = (),
     rng: random.Random | None = None,
     placement: Placement | None = None,
+    model: str | None = None,
 ) -> Pick | None:
     """The replica for a request with this prefix key (None: no prefix signal); replicas in
     `exclude` (already tried for this request) count as unhealthy. None when none is healthy.
-    `placement`: the placement table's view of the key (None: rendezvous hashing alone)."""
+    `placement`: the placement table's view of the key (None: rendezvous hashing alone).
+    `model`: the request's model field, which may name a LoRA adapter."""
+    replicas = adapter_replicas(replicas, model, exclude)
     healthy = [r for r in replicas if r.healthy and r.name not in exclude]
     if not healthy:
         return None
@@ -165,6 +178,19 @@ def _pick_placed(
         key=lambda r: (placement.key_counts.get(r.name, 0), r.load, position[r.name]),
     )
     return Pick(best.name, reason, not retried)
+
+
+def adapter_replicas(
+    replicas: Sequence[ReplicaView], model: str | None, exclude: Collection[str] = ()
+) -> Sequence[ReplicaView]:
+    """The replicas a request for `model` may go to: those that have it loaded when it is an
+    adapter a healthy replica (not in `exclude`) has; else all of them."""
+    if not model:
+        return replicas
+    with_it = [r for r in replicas if model in r.adapters]
+    if any(r.healthy and r.name not in exclude for r in with_it):
+        return with_it
+    return replicas
 
 
 def _load_cap(healthy: Sequence[ReplicaView], load_factor: float) -> float:

@@ -33,13 +33,20 @@ class Replica:
     running: float = 0.0
     kv_usage: float = 0.0
     block_size: int | None = None
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, from its last scrape
     in_flight: int = 0
     failed_scrapes: int = 0
     error: str = "not scraped yet"
 
     def view(self) -> ReplicaView:
         return ReplicaView(
-            self.url, self.healthy, self.waiting, self.running, self.kv_usage, self.in_flight
+            self.url,
+            self.healthy,
+            self.waiting,
+            self.running,
+            self.kv_usage,
+            self.in_flight,
+            self.adapters,
         )
 
 
@@ -88,6 +95,7 @@ class ReplicaPool:
         running: float = 0.0,
         kv_usage: float = 0.0,
         block_size: int | None = None,
+        adapters: frozenset[str] = frozenset(),
         error: str = "",
         definite: bool = False,
     ) -> None:
@@ -100,6 +108,7 @@ class ReplicaPool:
             r.healthy, r.failed_scrapes, r.error = True, 0, ""
             r.waiting, r.running, r.kv_usage = waiting, running, kv_usage
             r.block_size = block_size or r.block_size
+            r.adapters = adapters
         else:
             r.failed_scrapes += 1
             r.error = error

@@ -1,7 +1,8 @@
 """Reading every replica's /health and /metrics about once a second, into the ReplicaPool.
 
 /health says whether a replica takes requests (503 while loading or draining); /metrics gives
-its load through the parser the operator's autoscaler uses (kvfleet/runtime_load.py).
+its load and the LoRA adapters it has loaded, through the parser the operator's autoscaler uses
+(kvfleet/runtime_load.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ async def _scrape(
             running=load.running,
             kv_usage=load.kv_usage,
             block_size=load.block_size,
+            adapters=load.adapters,
         )
     finally:
         r = pool.get(url)

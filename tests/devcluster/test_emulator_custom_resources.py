@@ -53,6 +53,9 @@ BREAKS_RULE = {
     "every volumeMounts entry must name a volume in spec.volumes": {"volumeMounts": [{"name": "v", "mountPath": "/x"}]},
     "/dev/shm, /tmp, /var/cache/kvfleet and /models/ are the operator's own mount paths": {"volumes": [{"name": "v", "emptyDir": {}}], "volumeMounts": [{"name": "v", "mountPath": "/tmp"}]},
     "endpointPickerRef is required when mode is inferencePool": {"router": {"enabled": True, "mode": "inferencePool"}},
+    "volume names lora- and 12 hex digits are the operator's own (the claims of spec.loras)": {"volumes": [{"name": "lora-0123456789ab", "emptyDir": {}}]},
+    # The object's name ("chat") is the served name while spec.model.servedName is unset.
+    "a spec.loras name must differ from the model's served name (spec.model.servedName, else metadata.name)": {"loras": [{"name": "chat", "source": "hf://org/chat-lora"}]},
 }  # fmt: skip
 # The one rule on metadata.name (it names the Service): broken by a name, not a spec.
 NAME_RULE = next(m for m in crd_rules() if m.startswith("metadata.name must be a DNS-1035"))

@@ -2,8 +2,9 @@
 
 The real `kvfleet operator` process, with the install's own args and env and a bearer token
 of its own, runs through everything it does against the emulator: an InferenceService with
-two replicas (Deployment, Service, PodDisruptionBudget), its pods becoming ready (status
-writes, status.url under the install's cluster domain), an edit, one replica (the budget
+two replicas (Deployment, Service, PodDisruptionBudget) and a LoRA adapter (its API key read
+from the Secret to load it), its pods becoming ready (status writes, status.url under the
+install's cluster domain), an edit, one replica (the budget
 deleted), autoscaling fed by Prometheus (a scale-up, its Event, status.autoscaling), deletion,
 and a graceful stop (the Lease released). Then every request made with its token is turned
 into what the API server authorizes (devcluster/apiserver/rbac_authorizer.py) and must be
@@ -103,7 +104,11 @@ def add_ready_pod(k8s, namespace: str, name: str) -> None:
     labels = {**selector_labels(NAME), "app.kubernetes.io/managed-by": "kvfleet-operator"}
     pod = {
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {"containers": [{"name": "runtime", "image": "kvfleet"}]},
+        "spec": {
+            "containers": [
+                {"name": "runtime", "image": "kvfleet", "args": ["serve", "--enable-lora"]}
+            ]
+        },
     }
     k8s.create_object(POD, pod)
     ready = {"phase": "Running", "podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}  # fmt: skip
@@ -126,6 +131,11 @@ def desired_replicas(k8s, namespace: str) -> int | None:
     return (status.get("autoscaling") or {}).get("desiredReplicas")
 
 
+def lora_message(k8s, namespace: str) -> str:
+    loras = (k8s.get(ISVC, namespace, NAME).get("status") or {}).get("loras") or [{}]
+    return loras[0].get("message", "")
+
+
 def condition(k8s, namespace: str, type_: str) -> str | None:
     obj = k8s.get(ISVC, namespace, NAME) or {}
     found = find_condition((obj.get("status") or {}).get("conditions"), type_)
@@ -138,7 +148,13 @@ async def everything_the_operator_does(
     """One InferenceService's life, from creation to deletion, through every operator path.
     Returns what the Roles it wrote grant: the API server lets a Role grant only what its
     creator holds (RBAC's escalation check), so the operator needs those too."""
-    k8s.create_object(ISVC, isvc_with(NAME, namespace, replicas=2))
+    key = {"metadata": {"name": "chat-key", "namespace": namespace}, "data": {"api-key": "c2s="}}
+    k8s.create_object("v1/secrets", key)
+    loras = [{"name": "sql", "source": "hf://org/sql-lora"}]
+    secret_ref = {"name": "chat-key"}
+    k8s.create_object(
+        ISVC, isvc_with(NAME, namespace, replicas=2, loras=loras, apiKeySecretRef=secret_ref)
+    )
     await eventually(
         lambda: all(k8s.get(r, namespace, NAME) for r in (DEPLOYMENT, SERVICE, PDB)), timeout=30
     )
@@ -148,6 +164,8 @@ async def everything_the_operator_does(
     await eventually(lambda: condition(k8s, namespace, "Ready") == "True", timeout=20)
     url = k8s.get(ISVC, namespace, NAME)["status"]["url"]
     assert url == f"http://{NAME}.{namespace}.svc.{cluster_domain}"  # the install's clusterDomain
+    # The adapter's loop read the key and tried the pods (nothing listens on their IP).
+    await eventually(lambda: lora_message(k8s, namespace).count("GET http://127.0.0.9") == 2)
 
     k8s.mutate(ISVC, namespace, NAME, lambda o: o["spec"].update(runtime={"maxNumSeqs": 9}))
     await eventually(

@@ -1,6 +1,7 @@
 """A stand-in for `kvfleet serve` in the router's tests: an aiohttp app on 127.0.0.1 that
-answers /health, /metrics (the load it is told to report), /v1/models and both generation
-endpoints, naming itself in every answer, and that can be told to break off a stream."""
+answers /health, /metrics (the load and the LoRA adapters it is told to report), /v1/models
+and both generation endpoints, naming itself in every answer, and that can be told to break
+off a stream."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class FakeReplica:
     running: float = 0.0
     kv_usage: float = 0.0
     block_size: int | None = 16
+    adapters: set[str] = field(default_factory=set)  # LoRA adapters it reports loaded
     generate_status: int = 200  # a non-200 answers every generation request with that status
     break_stream_after: int | None = None  # chunks sent before the connection is cut
     hold: asyncio.Event | None = None  # a stream waits for it after its first chunk
@@ -58,6 +60,10 @@ class FakeReplica:
                 f'{contract.CACHE_CONFIG_INFO}{{block_size="{self.block_size}",'
                 f'num_gpu_blocks="100"}} 1.0'
             )
+        lines += [
+            f'{contract.LORA_ADAPTER_LOADED}{{{contract.LORA_NAME_LABEL}="{name}"}} 1.0'
+            for name in sorted(self.adapters)
+        ]
         return web.Response(text="\n".join(lines) + "\n")
 
     async def _models(self, request: web.Request) -> web.Response:

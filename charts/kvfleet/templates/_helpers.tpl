@@ -91,9 +91,16 @@ both ways); manifests/rbac.yaml holds the same rules (tests/deploy compares them
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
-# The autoscaler's ScaledUp/ScaledDown Events (core/v1; kopf posts none: its log-to-Event
-# posting is off).
+# The autoscaler's ScaledUp/ScaledDown Events and the LoRA adapters' (core/v1; kopf posts
+# none: its log-to-Event posting is off).
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# spec.loras with spec.apiKeySecretRef: the operator loads adapters through the runtime's
+# /v1 API, which wants the pods' API key, so it reads that one Secret (get, never list or
+# watch). It adds no reach: what creates Deployments in a namespace can hand a pod any of
+# its Secrets already.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 {{- end -}}
