@@ -30,7 +30,7 @@ from kvfleet.runtime.engine.lora_slots import LoraSlots
 from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.sampler import Sampler
-from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 from kvfleet.runtime.models.lora import LoraError
@@ -283,16 +283,14 @@ class EngineCore:
         )
 
     def warm_up(self) -> None:
-        """Short generations outside every counter (core_warm_up.py), before a server
-        reports ready."""
+        """Short generations outside every counter (core_warm_up.py), before serving."""
         from kvfleet.runtime.engine.core_warm_up import warm_up
 
         warm_up(self)
 
     # --- LoRA adapters ---------------------------------------------------------------------------
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
-        """Load adapter `name` from PEFT folder `path` as `lora_id` (LoraError saying why it
-        cannot run on this model)."""
+        """Load adapter `name` from PEFT folder `path` (LoraError: why it cannot run here)."""
         if self.loras is None:
             raise LoraError(f"adapter {name!r}: LoRA is not enabled (start with --enable-lora)")
         self.loras.add(lora_id, name, path)
@@ -311,8 +309,9 @@ class EngineCore:
             for r in self._compiling.take_ready(wait=not self.scheduler.has_unfinished()):
                 self.scheduler.add(r)
         batch = self.scheduler.schedule()
+        failed = self._drop_unreadable_loras(batch) if self.loras is not None else []
         if not batch:
-            return []
+            return failed
         self.counters.steps += 1
         started = time.perf_counter()
         try:
@@ -335,7 +334,6 @@ class EngineCore:
             decodes = batch.num_tokens.count(1)
             step_times.observe(batch.total_tokens - decodes, decodes, time.perf_counter() - started)
         touched: list[Request] = []
-        failed: list[SequenceOutput] = []
         now = time.monotonic()
         for r, pick in zip(rows, picks, strict=True):
             if r.finished:  # a sibling failed earlier in this loop and took the group down
@@ -376,6 +374,10 @@ class EngineCore:
             except Exception as exc:
                 picks.append(exc)
         return picks
+
+    def _drop_unreadable_loras(self, batch: ScheduledBatch) -> list[SequenceOutput]:
+        assert self.loras is not None
+        return [o for r, exc in self.loras.make_resident(batch) for o in self._fail_group(r, exc)]
 
     def _fail_group(self, request: Request, exc: Exception) -> list[SequenceOutput]:
         """Give up on one request: every sequence of its group ends with reason "error" (blocks

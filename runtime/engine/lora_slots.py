@@ -28,7 +28,7 @@ from kvfleet.runtime.models.lora_layer import LoraLayer
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.request import Request
-    from kvfleet.runtime.engine.scheduler import Scheduler
+    from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,25 @@ class LoraSlots:
             if lora_id not in self.slot_of:
                 self._fill(self._free_slot(lora_ids), lora_id)
         return {lora_id: self.slot_of[lora_id] for lora_id in lora_ids}
+
+    def make_resident(self, batch: ScheduledBatch) -> list[tuple[Request, LoraError]]:
+        """Bring a scheduled step's adapters into slots before it runs. An adapter that must be
+        read again and no longer can be (its folder changed or gone since it was loaded) takes
+        its requests out of the batch, each with the error to fail it with: that request
+        fails, not the step."""
+        ids = {r.lora_id for r in batch.requests if r.lora_id}
+        unreadable: dict[int, LoraError] = {}
+        for lora_id in sorted(ids):
+            try:
+                self.activate({lora_id} | (ids - unreadable.keys()) & self.slot_of.keys())
+            except LoraError as exc:
+                unreadable[lora_id] = exc
+        failed = [(r, unreadable[r.lora_id]) for r in batch.requests if r.lora_id in unreadable]
+        for i in range(len(batch.requests) - 1, -1, -1):
+            if batch.requests[i].lora_id in unreadable:
+                del batch.requests[i]
+                del batch.num_tokens[i]
+        return failed
 
     def layers(self, kernels, mapping: LoraMapping) -> list[LoraLayer]:
         """Each layer's view for one step: only the projections some resident adapter

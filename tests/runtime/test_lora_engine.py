@@ -6,6 +6,7 @@ and the base model in one batch, and the prefix cache never hands one adapter's 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,25 @@ def test_a_step_with_adapters_runs_op_by_op_and_one_without_keeps_the_fused_step
     tiny_llm.generate([[1, 5, 9]], params)
     assert not any(seen)
     assert runner.loras is not None and torch.count_nonzero(runner.loras.stacks[0]["o_proj"][0])
+
+
+def test_an_adapter_whose_files_vanished_fails_its_request_not_the_engine(
+    tiny_llama_dir, tiny_lora_dirs, tmp_path
+):
+    """One slot and one read copy: the first adapter must be read again when next used; its
+    folder is gone by then, so that request fails with why, and the engine serves on."""
+    llm = LLM(
+        str(tiny_llama_dir), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
+        max_lora_rank=16, kv_cache_memory="16MiB",
+    )  # fmt: skip
+    doomed = shutil.copytree(tiny_lora_dirs[0], tmp_path / "doomed")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([[1, 2, 3]], params, LoRARequest("doomed", 1, str(doomed)))
+    llm.generate([[1, 2, 3]], params, LoRARequest("other", 2, str(tiny_lora_dirs[1])))
+    shutil.rmtree(doomed)
+    failed, base = llm.generate(
+        [[1, 2, 3], [4, 5, 6]], params, [LoRARequest("doomed", 1, str(doomed)), None]
+    )
+    assert failed.outputs[0].finish_reason == "error"
+    assert "adapter 'doomed'" in failed.error and "is not a folder" in failed.error
+    assert base.outputs[0].finish_reason == "length" and len(base.outputs[0].token_ids) == 4
