@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from kvfleet.runtime.engine.core_messages import (
@@ -74,25 +74,28 @@ class AsyncEngine:
         """Start the core process and load the tokenizer; return once the core has passed its
         warm-up generation. Re-raises a load error."""
         from kvfleet.runtime.engine.core_client import STOP_TIMEOUT_S, CoreClient
-        from kvfleet.runtime.engine.llm_engine import load_engine_tokenizer
+        from kvfleet.runtime.engine.llm_engine import load_engine_tokenizer, preload_tokenizer_code
 
         if self.config.tokenizer:  # a wrong --tokenizer fails before the weights load
             from kvfleet.runtime.models.loader import resolve_tokenizer
 
             await asyncio.to_thread(resolve_tokenizer, self.config.tokenizer)
         self._client = CoreClient(self.config)
+        # While the core process loads the model (on the other cores): the tokenizer's code,
+        # then the grammar engine (a first structured-output request would otherwise import
+        # it on the event loop). One thread: transformers' lazy imports are not thread-safe.
+        preloads = asyncio.ensure_future(asyncio.to_thread(_preload, preload_tokenizer_code))
         try:
             self.info, self.stats = await self._client.start()
+            await preloads
             tokenizer = await asyncio.to_thread(
                 load_engine_tokenizer, self.config, self.info.model_folder
             )
-            # The grammar engine, loaded now: a first structured-output request would
-            # otherwise import it on the event loop.
-            await asyncio.to_thread(warm_grammar_engine)
         except BaseException as exc:
             # Cancelled (a signal while loading) or failed: a core still loading reads no
             # messages, so it is not asked to stop but killed.
             loading = isinstance(exc, asyncio.CancelledError) or self.info is None
+            preloads.cancel()  # its threads end on their own; nobody waits for them
             await self._client.stop(timeout=0 if loading else STOP_TIMEOUT_S)
             self._client = None
             raise
@@ -219,3 +222,8 @@ class AsyncEngine:
         for answer in self._lora_loads.values():
             if not answer.done():
                 answer.set_exception(exc)
+
+
+def _preload(preload_tokenizer_code: Callable[[], None]) -> None:
+    preload_tokenizer_code()
+    warm_grammar_engine()

@@ -8,6 +8,7 @@ returns each touched request's cumulative `RequestOutput` (what `LLM.generate` g
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from kvfleet.runtime.engine.request import CompletionOutput, RequestOutput
 from kvfleet.runtime.engine.request_limits import RequestError
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 def load_engine_tokenizer(config: EngineConfig, model_folder: str | None) -> Any:
     """The tokenizer a core's model needs: --tokenizer, else the model's own folder, else the
@@ -38,6 +41,19 @@ def load_engine_tokenizer(config: EngineConfig, model_folder: str | None) -> Any
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     return tokenizer
+
+
+def preload_tokenizer_code() -> None:
+    """Import what a tokenizer's first load pulls in: transformers' auto classes read the
+    model's config, and its config module imports torch.distributed and more (2-3 s on a
+    2-core host). A server does this while its core process loads the model."""
+    import importlib
+
+    for name in ("transformers.models.auto.tokenization_auto", "transformers.activations"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another transformers layout: the first load imports what it needs
+            log.debug("could not preload %s", name, exc_info=True)
 
 
 @dataclass(slots=True)
