@@ -6,15 +6,13 @@ Pure: built from the poll's samples and decision (autoscaler.py); autoscale_poll
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.operator import conditions as c
 from kvfleet.operator.autoscaler import STALE_AFTER_POLLS, Decision, PodSample
-
-from kvfleet import contract
+from kvfleet.operator.isvc_events import isvc_event
 
 AUTOSCALER_READY = "AutoscalerReady"
 SCALED_UP, SCALED_DOWN = "ScaledUp", "ScaledDown"
@@ -99,28 +97,5 @@ def autoscaling_status(
 
 
 def scale_event(isvc: Mapping[str, Any], reason: str, message: str, now: str) -> dict[str, Any]:
-    """A core/v1 Event about the InferenceService, as `kubectl describe` lists them."""
-    meta = isvc["metadata"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-            "namespace": meta["namespace"],
-        },
-        "involvedObject": {
-            "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
-            "kind": contract.KIND,
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid", ""),
-        },
-        "reason": reason,
-        "message": message[:1024],  # the API server's limit for an Event message
-        "type": "Normal",
-        "source": {"component": "kvfleet-autoscaler"},
-        "reportingComponent": f"{contract.API_GROUP}/autoscaler",
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
+    """The Normal Event of a scale the autoscaler made."""
+    return isvc_event(isvc, "Normal", reason, message, now, "autoscaler")

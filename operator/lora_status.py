@@ -8,21 +8,18 @@ writer owns each condition, and only for adapters spec.loras still lists from th
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.operator import conditions as c
+from kvfleet.operator.isvc_events import isvc_event
 from kvfleet.operator.lora_spec import LoraSpec
-
-from kvfleet import contract
 
 LOADED, LOADING, REJECTED, PENDING = "Loaded", "Loading", "Rejected", "Pending"
 ADAPTER_REJECTED = "LoraAdapterRejected"  # the Degraded reason and the Warning Event's
 ADAPTERS_LOADED, ADAPTERS_UNLOADED = "LoraAdaptersLoaded", "LoraAdaptersUnloaded"
 MAX_SHOWN = 3  # pods named in one message
-EVENT_MESSAGE_CHARS = 1024  # the API server's limit for an Event message
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,28 +143,5 @@ def pass_events(
 def lora_event(
     isvc: Mapping[str, Any], type_: str, reason: str, message: str, now: str
 ) -> dict[str, Any]:
-    """A core/v1 Event about the InferenceService, as `kubectl describe` lists them."""
-    meta = isvc["metadata"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-            "namespace": meta["namespace"],
-        },
-        "involvedObject": {
-            "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
-            "kind": contract.KIND,
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid", ""),
-        },
-        "reason": reason,
-        "message": message[:EVENT_MESSAGE_CHARS],
-        "type": type_,
-        "source": {"component": "kvfleet-operator"},
-        "reportingComponent": f"{contract.API_GROUP}/operator",
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
+    """An Event of the adapters' loop about the InferenceService."""
+    return isvc_event(isvc, type_, reason, message, now, "operator")

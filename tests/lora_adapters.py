@@ -77,17 +77,3 @@ def greedy_tokens_batch(
     for row in out[:, ids.shape[1] :].tolist():
         rows.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
     return rows
-
-
-def greedy_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy continuation of `prompt` (token ids), new tokens only."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()

@@ -298,13 +298,11 @@ class ModelRunner:
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Each scheduled request's LoRA slot (-1: the base model), or None for a step that
         runs no adapter (it then takes the fused and graphed paths as before)."""
-        if self.loras is None:
+        if self.loras is None or not any(r.lora_id for r in batch.requests):
             return None
-        ids = {r.lora_id for r in batch.requests if r.lora_id}
-        if not ids:
-            return None
-        slot_by_id = self.loras.activate(ids)
-        return [slot_by_id[r.lora_id] if r.lora_id else -1 for r in batch.requests]
+        # The core made the step's adapters resident (LoraSlots.make_resident) before it ran.
+        slot_of = self.loras.slot_of
+        return [slot_of[r.lora_id] if r.lora_id else -1 for r in batch.requests]
 
     def _lora_layers(self, token_slots: list[int]) -> list[LoraLayer]:
         assert self.loras is not None

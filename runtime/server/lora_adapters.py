@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from kvfleet.runtime.server.api_error import APIError
+from kvfleet.runtime.server.fields import get_field, type_name
 
 from kvfleet import contract
 
@@ -195,7 +196,9 @@ class LoraAdapters:
 
 
 def _field(body: Any, name: str) -> str:
-    value = body.get(name) if isinstance(body, dict) else None
-    if not isinstance(value, str) or not value:
+    if not isinstance(body, dict):
+        raise APIError(400, f"body: must be a JSON object, got {type_name(body)}")
+    value = get_field(body, name, str)
+    if not value:
         raise APIError(400, f"{name}: required, a non-empty string", param=name)
     return value

@@ -136,6 +136,8 @@ def test_adapters_that_cannot_run_are_refused(server, tiny_lora_dirs, tmp_path):
     assert_error(load("broken", broken), 400, "lora_path", "'broken'", "cannot be read")
     r = request(server.port, "POST", contract.LOAD_LORA_PATH, {"lora_name": "x"}, AUTH)
     assert_error(r, 400, "lora_path", "required")
+    r = request(server.port, "POST", contract.LOAD_LORA_PATH, {"lora_name": 5}, AUTH)
+    assert_error(r, 400, "lora_name", "must be a string")
     # Nothing refused was left behind.
     models = request(server.port, "GET", contract.MODELS_PATH, headers=AUTH).json()
     assert {m["id"] for m in models["data"]} & {"nowhere", "hub404", "broken", "x"} == set()
