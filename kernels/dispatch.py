@@ -28,12 +28,14 @@ from kvfleet.kernels.cpu import (
     cpu_elementwise,
     cpu_gemm,
     cpu_gemm_f32,
+    cpu_gemm_quant,
     cpu_linear,
     cpu_prefill,
 )
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata, LoraMapping
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
+from kvfleet.kernels.quant_weight import QuantizedWeight
 
 # The names `Kernels.linear_path` gives the kernels a projection may run on: a benchmark reports
 # each figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL,
@@ -43,6 +45,10 @@ PATH_AVX512_BF16 = "AVX512-BF16"
 PATH_AVX512_F32 = "AVX-512 float32"
 PATH_AVX2 = "AVX2"
 PATH_TORCH = "torch"
+PATH_DEQUANTIZED = "torch (dequantized per call)"
+
+# What a projection weight may be: plain, prepacked for the bf16 CPU kernels, or quantized.
+Weight = torch.Tensor | cpu_linear.PackedLinear | QuantizedWeight
 
 
 @functools.cache
@@ -64,14 +70,20 @@ def memory_arena(device: torch.device | str) -> HugePageArena | None:
     return HugePageArena() if torch.device(device).type == "cpu" else None
 
 
-def prepack_linear_weight(
-    weight: torch.Tensor, arena: HugePageArena | None = None
-) -> torch.Tensor | cpu_linear.PackedLinear:
+def prepack_linear_weight(weight: Weight, arena: HugePageArena | None = None) -> Weight:
     """The form of a [out, in] projection weight that `Kernels.linear` runs fastest: for bf16
     CPU weights a `cpu_linear.PackedLinear` (oneDNN's blocked layout, plus AMX tile order where
     that kernel runs, whatever a policy lets it take; the plain weight can then be freed);
-    other CPU weights copied into `arena` when one is given (the same values, on huge pages);
-    else the weight itself. Call once, after the weights are loaded."""
+    other CPU weights, quantized ones too, copied into `arena` when one is given (the same
+    values, on huge pages); else the weight itself. Call once, after the weights are loaded."""
+    if isinstance(weight, QuantizedWeight):
+        if arena is None or weight.device.type != "cpu":
+            return weight
+        return QuantizedWeight(
+            weight.format, arena.copy(weight.qweight), arena.copy(weight.scales),
+            None if weight.offsets is None else arena.copy(weight.offsets),
+            weight.out_features, weight.in_features, weight.group_size,
+        )  # fmt: skip
     if cpu_linear.supports(weight) and cpu_linear.available():
         return cpu_linear.pack(weight, arena)
     if arena is not None and weight.device.type == "cpu":
@@ -127,19 +139,34 @@ class Kernels:
         )
 
     def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor | cpu_linear.PackedLinear,
-        bias: torch.Tensor | None = None,
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T + bias, for a plain weight or one `prepack_linear_weight` returned.
         float32 decode-sized steps on CPU run kvfleet's AVX-512 or AVX2 kernel
-        (`cpu_gemm_f32`) up to the policy's row limit."""
+        (`cpu_gemm_f32`) up to the policy's row limit; quantized weights `quantized_linear`."""
+        if isinstance(weight, QuantizedWeight):
+            return self.quantized_linear(x, weight, bias)
         if isinstance(weight, cpu_linear.PackedLinear):
             return cpu_linear.linear(x, weight, bias, policy=self.policy)
         if cpu_gemm_f32.takes(x, weight, bias, policy=self.policy):
             return cpu_gemm_f32.linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def quantized_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ dequantize(weight).T + bias: Triton's GEMM dequantizing in registers on CUDA; on
+        CPU the C kernel that does the same for decode-sized steps (float32 arithmetic: bf16
+        rows are widened and the result rounded back), else the weight dequantized for this
+        call into torch's GEMM (prefill steps, where the multiply outweighs that pass)."""
+        if self.use_triton(x):
+            from kvfleet.kernels.triton import triton_quant
+
+            return triton_quant.linear(x, weight, bias)
+        rows_f32 = x if x.dtype == torch.float32 else x.float()
+        if cpu_gemm_quant.takes(rows_f32, weight, policy=self.policy):
+            return cpu_gemm_quant.linear(rows_f32, weight, bias).to(x.dtype)
+        return F.linear(x, cpu_gemm_quant.dequantized(weight, x.dtype), bias)
 
     def add_lora(
         self,
@@ -180,9 +207,16 @@ class Kernels:
             shrunk = torch.mm(x[start:end], lora_a[slot].t())
             y[start:end].addmm_(shrunk, lora_b[slot].t())
 
-    def linear_path(self, weight: torch.Tensor | cpu_linear.PackedLinear, rows: int) -> str:
+    def linear_path(self, weight: Weight, rows: int) -> str:
         """Which kernel `linear` runs for a step of `rows` rows through `weight` (one of the
-        PATH_* names), asked of the same predicates that route the call."""
+        PATH_* names, with a quantized weight's format), asked of the same predicates that
+        route the call."""
+        if isinstance(weight, QuantizedWeight):
+            x = torch.empty(rows, weight.in_features)
+            if not cpu_gemm_quant.takes(x, weight, policy=self.policy):
+                return PATH_DEQUANTIZED
+            simd = PATH_AVX512_F32 if cpu_gemm_f32.lanes() == 16 else PATH_AVX2
+            return f"{simd} {weight.format}"
         if isinstance(weight, cpu_linear.PackedLinear):
             if cpu_linear.gemm_tiles(weight, rows, self.policy) is None:
                 return PATH_TORCH
@@ -199,7 +233,7 @@ class Kernels:
         norm_weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None,
-        weight: torch.Tensor | cpu_linear.PackedLinear,
+        weight: Weight,
         bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)` and the residual
@@ -217,7 +251,7 @@ class Kernels:
     def silu_and_mul_linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | cpu_linear.PackedLinear,
+        weight: Weight,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`linear(silu_and_mul(x), weight, bias)`: SwiGLU's gate and the down projection, in

@@ -22,6 +22,7 @@ _LIMITS = {
     "amx_gemm_max_rows": "rows",
     "avx512_bf16_gemm_max_rows": "rows",
     "f32_gemm_max_rows": "rows",
+    "quant_gemm_max_rows": "rows",
     "one_call_max_rows": "rows",
     "avx2_prefill_max_context": "context tokens",
 }
@@ -66,6 +67,9 @@ class KernelPolicy:
     # (docs/results/bench-gemm-rows-float32-offline.json). From one row up (cpu_gemm_f32's
     # MIN_ROWS says why).
     f32_gemm_max_rows: int = 128
+    # Row counts a 4-bit or 8-bit weight's projection runs on the in-register kernel
+    # (cpu_gemm_quant) rather than dequantizing the weight into torch's float32 GEMM.
+    quant_gemm_max_rows: int = 64
     # Whether decode steps may run the whole decoder stack in one C call (cpu_decode_step)
     # where it applies: the same bits as op by op, one Python call a step instead of six per
     # layer. Off, every step goes op by op (tests and `bench decode-step` compare the two).

@@ -103,3 +103,18 @@ class Decoder:
 
     def _next_tokens(self) -> torch.Tensor:
         return torch.randint(0, 1000, (len(self.lens),), generator=self.gen)
+
+
+def count_fused_steps(monkeypatch) -> list[int]:
+    """The row count of every fused decode step (`DecodeStack.run`) from here on."""
+    from kvfleet.kernels.cpu import cpu_decode_step
+
+    calls: list[int] = []
+    run = cpu_decode_step.DecodeStack.run
+
+    def counted(self, hidden, positions, meta, policy):
+        calls.append(hidden.shape[0])
+        return run(self, hidden, positions, meta, policy)
+
+    monkeypatch.setattr(cpu_decode_step.DecodeStack, "run", counted)
+    return calls

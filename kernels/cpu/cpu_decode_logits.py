@@ -16,8 +16,15 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from kvfleet.kernels.cpu import cpu_decode_step, cpu_elementwise, cpu_gemm, cpu_library
+from kvfleet.kernels.cpu import (
+    cpu_decode_step,
+    cpu_elementwise,
+    cpu_gemm,
+    cpu_gemm_quant,
+    cpu_library,
+)
 from kvfleet.kernels.policy import KernelPolicy
+from kvfleet.kernels.quant_weight import QuantizedWeight
 
 _BF16 = torch.bfloat16
 
@@ -29,6 +36,7 @@ class _Ends(ctypes.Structure):
         ("norm", ctypes.c_void_p),
         ("lm_head", ctypes.c_void_p),
         ("lm_head_rows", ctypes.c_int64),
+        ("lm_head_quantized", ctypes.c_int32),
     ]
 
 
@@ -44,7 +52,7 @@ class DecodeLogits:
         stack: cpu_decode_step.DecodeStack,
         embed: torch.Tensor,
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: torch.Tensor | QuantizedWeight,
         lm_head_rows: int,
         max_rows: int,
         max_blocks: int,
@@ -52,9 +60,15 @@ class DecodeLogits:
         self.stack, self.max_rows, self.max_blocks = stack, max_rows, max_blocks
         self.vocab = embed.shape[0]
         self._keep = (embed, norm, lm_head)
-        self._ends = _Ends(
-            embed.data_ptr(), self.vocab, norm.data_ptr(), lm_head.data_ptr(), lm_head_rows
+        quantized = isinstance(lm_head, QuantizedWeight)
+        head = (
+            ctypes.addressof(cpu_gemm_quant.c_struct(lm_head)) if quantized else lm_head.data_ptr()
         )
+        self._ends = _Ends(
+            embed.data_ptr(), self.vocab, norm.data_ptr(), head, lm_head_rows, int(quantized)
+        )
+        # A quantized LM head runs on cpu_gemm_quant: its rows bound the steps taken here.
+        self._head_quantized = quantized
         self._ids = (ctypes.c_int64 * max_rows)()
         self._positions = (ctypes.c_int64 * max_rows)()
         self._slots = (ctypes.c_int64 * max_rows)()
@@ -73,6 +87,7 @@ class DecodeLogits:
             policy.fused_decode_step
             and rows <= policy.one_call_max_rows
             and self.stack.takes_rows(rows, policy)
+            and (not self._head_quantized or rows <= policy.quant_gemm_max_rows)
             and rows <= self.max_rows
             and max_blocks <= self.max_blocks
         )
@@ -132,8 +147,8 @@ def build(
 ) -> DecodeLogits | None:
     """The one-call step where the stack exists and its ends run on the kernels the two-call
     path runs on them (a contiguous embedding table in the stack's dtype, a final norm the C
-    RMSNorm takes, an LM head the stack's GEMM reads: packed tiles in bf16, a plain weight in
-    float32); else None."""
+    RMSNorm takes, an LM head the stack's GEMM reads: packed tiles in bf16, a plain or quantized
+    weight in float32); else None."""
     if stack is None or max_rows < 1 or max_blocks < 1:
         return None
     dtype, hidden = stack.dtype, stack.hidden
@@ -151,6 +166,10 @@ def build(
         if not (cpu_decode_step.is_packed(lm_head) and lm_head.in_features == hidden):
             return None
         weight, rows = lm_head.tiles, lm_head.out_features
+    elif isinstance(lm_head, QuantizedWeight):
+        weight, rows = lm_head, lm_head.out_features
+        if not cpu_decode_step.is_quantized(weight, rows, hidden):
+            return None
     else:
         weight, rows = lm_head, lm_head.shape[0] if isinstance(lm_head, torch.Tensor) else 0
         if not cpu_decode_step.is_plain_f32(weight, rows, hidden):

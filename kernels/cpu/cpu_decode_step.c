@@ -45,7 +45,8 @@ enum {
 enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SILU_AND_MUL = 2 }; /* cpu_gemm.c's */
 
 /* One layer's weights and its K/V caches: bf16 (norm weights bf16, projections packed by
- * cpu_gemm.pack) or float32 (all plain), as the entry point called says. */
+ * cpu_gemm.pack) or float32 (norms plain; projections plain, or QuantWeight structs where the
+ * stack says `quantized`), as the entry point called says. */
 typedef struct {
     const void *input_norm, *qkv;
     const float *qkv_bias; /* NULL without q/k/v biases */
@@ -62,7 +63,19 @@ typedef struct {
     const float *cos_sin; /* rows of rot_dim / 2 cosines then sines, float32 */
     int64_t cos_sin_stride, max_position;
     float eps, scale;
+    int32_t quantized; /* float32 only: every projection a QuantWeight (cpu_gemm_quant.c) */
 } DecodeStack;
+
+/* A float32 step's projection: the plain weight's GEMM or the quantized one's, as the per-op
+ * path (dispatch.Kernels.linear) runs them. */
+static int project_f32(int quantized, const float *x, int64_t x_stride, const void *w,
+                       const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
+                       int64_t k, int num_threads) {
+    return quantized ? kvfleet_linear_quant(x, x_stride, (const QuantWeight *)w, bias, out,
+                                            out_stride, m, n, k, num_threads)
+                     : kvfleet_linear_f32(x, x_stride, (const float *)w, bias, out, out_stride, m,
+                                          n, k, num_threads);
+}
 
 #define FAIL(stage, call)                                                                  \
     do {                                                                                   \
@@ -163,27 +176,28 @@ int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *resi
     float *normed = buffers, *qkv = normed + m * h, *attn = qkv + m * qkv_n;
     float *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_n;
     const float eps = stack->eps;
+    const int quantized = stack->quantized;
 
     for (int layer = 0; layer < stack->num_layers; layer++) {
         const DecodeLayer *w = &stack->layers[layer];
         /* The first layer starts the residual stream from the embeddings. */
         FAIL(STAGE_QKV, kvfleet_add_rms_norm(hidden, h, residual, layer > 0, w->input_norm, normed,
                                              m, (int)h, eps, DTYPE_FLOAT32, num_threads));
-        FAIL(STAGE_QKV, kvfleet_linear_f32(normed, h, w->qkv, w->qkv_bias, qkv, qkv_n, m, qkv_n, h,
-                                           num_threads));
+        FAIL(STAGE_QKV, project_f32(quantized, normed, h, w->qkv, w->qkv_bias, qkv, qkv_n, m,
+                                    qkv_n, h, num_threads));
         FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_FLOAT32, sizeof(float),
                                         m, positions, slots, block_tables, table_stride, seq_lens,
                                         allow_amx, num_threads));
-        FAIL(STAGE_O, kvfleet_linear_f32(attn, q_size, w->o, NULL, hidden, h, m, h, q_size,
-                                         num_threads));
+        FAIL(STAGE_O, project_f32(quantized, attn, q_size, w->o, NULL, hidden, h, m, h, q_size,
+                                  num_threads));
         FAIL(STAGE_GATE_UP, kvfleet_add_rms_norm(hidden, h, residual, 1, w->post_norm, normed, m,
                                                  (int)h, eps, DTYPE_FLOAT32, num_threads));
-        FAIL(STAGE_GATE_UP, kvfleet_linear_f32(normed, h, w->gate_up, NULL, gate_up, gate_up_n, m,
-                                               gate_up_n, h, num_threads));
+        FAIL(STAGE_GATE_UP, project_f32(quantized, normed, h, w->gate_up, NULL, gate_up,
+                                        gate_up_n, m, gate_up_n, h, num_threads));
         FAIL(STAGE_DOWN, kvfleet_silu_and_mul(gate_up, gate_up_n, act, m, (int)inter,
                                               DTYPE_FLOAT32, num_threads));
-        FAIL(STAGE_DOWN, kvfleet_linear_f32(act, inter, w->down, NULL, hidden, h, m, h, inter,
-                                            num_threads));
+        FAIL(STAGE_DOWN, project_f32(quantized, act, inter, w->down, NULL, hidden, h, m, h, inter,
+                                     num_threads));
     }
     free(buffers);
     return OK;
@@ -195,8 +209,10 @@ typedef struct {
     const void *embed; /* [vocab, hidden] in the model's dtype */
     int64_t vocab;
     const void *norm;    /* [hidden], the model's dtype */
-    const void *lm_head; /* bf16: packed by cpu_gemm.pack; float32: plain [lm_head_rows, hidden] */
+    const void *lm_head; /* bf16: packed by cpu_gemm.pack; float32: plain [lm_head_rows, hidden]
+                          * or, with lm_head_quantized, a QuantWeight */
     int64_t lm_head_rows;
+    int32_t lm_head_quantized;
 } DecodeEnds;
 
 #define ENDS_FAILED(status) ((STAGE_ENDS * STATUS_RANGE) + (status))
@@ -246,8 +262,8 @@ static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int d
                                          NULL, 0.0f, ends->lm_head, NULL, logits_bf16, n, m, n,
                                          h, gemm_kernel, num_threads);
         else if (status == OK)
-            status = kvfleet_linear_f32((const float *)normed, h, ends->lm_head, NULL, logits, n,
-                                        m, n, h, num_threads);
+            status = project_f32(ends->lm_head_quantized, (const float *)normed, h, ends->lm_head,
+                                 NULL, logits, n, m, n, h, num_threads);
         if (status != OK) status = ENDS_FAILED(status);
     }
     if (status == OK && bf16) {

@@ -12,7 +12,8 @@ and 293.6 to 275.3 at 128 (`--dtype float32`, docs/results/bench-decode-step-flo
 Two forms, by the model's dtype. bf16: weights prepacked for cpu_gemm (whose AMX engine runs on
 AMX hosts, its AVX512-BF16 one elsewhere), head-major bf16 caches, up to
 `cpu_gemm.max_rows(policy)` sequences. float32 (the CPU default without AVX512-BF16): plain
-weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`.
+weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`; or 4-bit /
+8-bit weights (every projection), the rows the per-op path runs on `cpu_gemm_quant`.
 `build` says once per stack and set of caches whether one applies; `DecodeStack.accepts` says
 per step, under the kernel policy the step runs (decodes only, as many as the per-op path runs
 on the same GEMM kernel, and only where the policy allows the fused step).
@@ -31,11 +32,13 @@ from kvfleet.kernels.cpu import (
     cpu_elementwise,
     cpu_gemm,
     cpu_gemm_f32,
+    cpu_gemm_quant,
     cpu_library,
     cpu_linear,
 )
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.kernels.policy import KernelPolicy
+from kvfleet.kernels.quant_weight import QuantizedWeight
 
 _BF16 = torch.bfloat16
 # cpu_decode_step.c's stage codes, for error messages.
@@ -86,6 +89,7 @@ class _Stack(ctypes.Structure):
         ("max_position", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("quantized", ctypes.c_int32),
     ]
 
 
@@ -129,9 +133,15 @@ class DecodeStack:
         dtype: torch.dtype = _BF16,
     ) -> None:
         # Kernel inputs: the bias as float32 (what cpu_gemm and cpu_gemm_f32 pass), bf16's
-        # packed tiles or float32's plain weights.
+        # packed tiles, float32's plain weights or their quantized weights' structs.
         self.dtype = dtype
-        weight = (lambda w: w.tiles.data_ptr()) if dtype == _BF16 else (lambda w: w.data_ptr())
+        self.quantized = isinstance(layers[0].qkv, QuantizedWeight)
+        if dtype == _BF16:
+            weight = lambda w: w.tiles.data_ptr()  # noqa: E731
+        elif self.quantized:
+            weight = lambda w: ctypes.addressof(cpu_gemm_quant.c_struct(w))  # noqa: E731
+        else:
+            weight = lambda w: w.data_ptr()  # noqa: E731
         biases = [None if w.qkv_bias is None else w.qkv_bias.float().contiguous() for w in layers]
         self._keep = [layers, kv_caches, cos_sin_cache, biases]
         self._layers = (_Layer * len(layers))()
@@ -166,6 +176,7 @@ class DecodeStack:
             cos_sin_cache.shape[0],
             shape.eps,
             shape.scale,
+            int(self.quantized),
         )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_position = cos_sin_cache.shape[0]
@@ -178,10 +189,13 @@ class DecodeStack:
     def takes_rows(self, rows: int, policy: KernelPolicy) -> bool:
         """Whether a decode step of `rows` sequences runs here under `policy`: as many as the
         per-op path would run on the same GEMM kernel (`cpu_gemm.max_rows(policy)` in bf16,
-        `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32), so that
-        fused and per-op give the same bits."""
+        `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32, 1 to its
+        `quant_gemm_max_rows` through quantized weights), so that fused and per-op give the
+        same bits."""
         if self.dtype == _BF16:
             lo, hi = 1, cpu_gemm.max_rows(policy)
+        elif self.quantized:
+            lo, hi = 1, policy.quant_gemm_max_rows
         else:
             lo, hi = cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
         return lo <= rows <= hi
@@ -309,6 +323,11 @@ def is_plain_f32(weight: object, rows: int, cols: int) -> bool:
     )
 
 
+def is_quantized(weight: object, rows: int, cols: int) -> bool:
+    """A quantized [rows, cols] weight that cpu_gemm_quant reads."""
+    return cpu_gemm_quant.supports(weight) and weight.shape == (rows, cols)
+
+
 def build(
     layers: Sequence[LayerWeights],
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -342,11 +361,13 @@ def build(
                 and (w.down.out_features, w.down.in_features) == (hidden, shape.intermediate)
             )
         else:
+            # All plain or all quantized: the C step takes one kind of projection.
+            fits = is_quantized if isinstance(layers[0].qkv, QuantizedWeight) else is_plain_f32
             weights_fit = (
-                is_plain_f32(w.qkv, qkv_n, hidden)
-                and is_plain_f32(w.o, hidden, q_size)
-                and is_plain_f32(w.gate_up, gate_up_n, hidden)
-                and is_plain_f32(w.down, hidden, shape.intermediate)
+                fits(w.qkv, qkv_n, hidden)
+                and fits(w.o, hidden, q_size)
+                and fits(w.gate_up, gate_up_n, hidden)
+                and fits(w.down, hidden, shape.intermediate)
             )
         if not (
             weights_fit

@@ -1,7 +1,7 @@
 """The C library behind the CPU path: in this folder (kernels/cpu/), cpu_attention.c (with its
 paths cpu_attention_f32.c, cpu_attention_bf16.c and cpu_attention_amx.c), cpu_prefill.c,
-cpu_prefill_f32.c, cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c, cpu_gemm_f32.c and
-cpu_decode_step.c (with their headers cpu_math.h, cpu_amx.h, cpu_cache.h, cpu_entry_points.h,
+cpu_prefill_f32.c, cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c, cpu_gemm_f32.c,
+cpu_gemm_quant.c and cpu_decode_step.c (with their headers cpu_math.h, cpu_amx.h, cpu_cache.h, cpu_entry_points.h,
 cpu_attention.h and cpu_vec_f32.h, #included by name from the same folder), built into one shared
 object.
 
@@ -44,6 +44,7 @@ _SOURCE_NAMES = (
     "cpu_argmax.c",
     "cpu_gemm.c",
     "cpu_gemm_f32.c",
+    "cpu_gemm_quant.c",
     "cpu_decode_step.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
@@ -107,6 +108,10 @@ SIGNATURES: dict[str, list[type]] = {
     # x, x_stride, w, bias, out, out_stride, m, n, k, num_threads
     "kvfleet_linear_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "kvfleet_linear_f32_lanes": [],
+    # x, x_stride, weight (a QuantWeight), bias, out, out_stride, m, n, k, num_threads
+    "kvfleet_linear_quant": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    # weight, out, n, k, num_threads
+    "kvfleet_dequantize": [_p, _p, _i64, _i64, _i],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
     # table_stride, seq_lens, allow_amx, num_threads (bf16: then the GEMM kernel)
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i, _i],

@@ -332,7 +332,7 @@ def measure(args: argparse.Namespace) -> dict:
         )
     mc, device, model = engine.model_config, engine.device, engine.model
     elem = torch.empty((), dtype=engine.dtype).element_size()
-    weight_bytes = decode_weight_bytes(mc, elem)
+    weight_bytes = decode_weight_bytes(mc, elem, model)
     print(
         f"device {engine.device}, dtype {engine.dtype}, threads {torch.get_num_threads()}",
         file=sys.stderr,

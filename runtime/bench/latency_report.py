@@ -56,10 +56,22 @@ class TtftRow:
 _BASELINE_KEYS = ("step_median_ms", "step_min_ms", "gemm_path", "fused_steps")
 
 
-def decode_weight_bytes(mc: Any, elem_size: int) -> int:
+def decode_weight_bytes(mc: Any, elem_size: int, model: Any = None) -> int:
     """Bytes of weights one decode step reads: all of them but an untied input embedding table
-    (of which a step reads one row per sequence)."""
-    return mc.step_parameters() * elem_size
+    (of which a step reads one row per sequence). With `model` holding quantized projections,
+    their bytes as held (packed values, scales, offsets) stand in for their plain size."""
+    from kvfleet.kernels.quant_weight import QuantizedWeight
+    from kvfleet.runtime.models.llama import PROJECTIONS
+
+    total = mc.step_parameters() * elem_size
+    if model is None:
+        return total
+    held = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    held.append(model.lm_head)
+    for w in held:
+        if isinstance(w, QuantizedWeight):
+            total += w.nbytes() - w.out_features * w.in_features * elem_size
+    return total
 
 
 def prefill_flops(mc: Any, tokens: int) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvfleet.kernels.policy import BACKENDS, DEFAULT_POLICY, KernelPolicy
+from kvfleet.runtime.models.quantization import METHODS as QUANTIZATION_METHODS
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -70,7 +71,12 @@ class EngineConfig:
     # A Jinja chat template, or a file holding one, used instead of the tokenizer's own (e.g.
     # one that shows tools to the model). Resolved to the template's text here.
     chat_template: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 where the CPU/GPU runs it fast, else float32
+    # auto: bfloat16 where the CPU/GPU runs it fast, else float32 (and float32 for a
+    # quantized model on CPU, whose kernels compute in float32)
+    dtype: str = "auto"
+    # None: a quantized checkpoint stays quantized; a method name insists on it; "none" loads
+    # it dequantized into `dtype` (kvfleet.runtime.models.quantization.METHODS).
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 halves the cache (lossy)
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
@@ -108,6 +114,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got "
+                f"{self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -227,7 +238,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template (a file, or the template itself) to use instead of the "
         "tokenizer's own, e.g. one that renders tools",
     )
-    g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache dtype")
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="weights and KV cache dtype (auto: bfloat16 where the machine runs it fast, else "
+        "float32; float32 for a quantized model on CPU)",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=d.quantization,
+        choices=QUANTIZATION_METHODS,
+        help="a quantized checkpoint's method (default: read from its config.json, or gguf for "
+        "a .gguf file; weights stay quantized); none loads it dequantized into --dtype",
+    )
     g.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,

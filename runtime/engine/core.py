@@ -23,7 +23,7 @@ from kvfleet.runtime.engine.core_messages import (
     failure_message,
 )
 from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
-from kvfleet.runtime.engine.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from kvfleet.runtime.engine.device import model_dtype, resolve_device, resolve_kv_cache_dtype
 from kvfleet.runtime.engine.grammar_matchers import CompilingRequests, GrammarCompiler
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.lora_slots import LoraSlots
@@ -65,7 +65,7 @@ class EngineCore:
 
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = model_dtype(config, self.device)
         tp_size = config.tensor_parallel_size
         if tp_size > 1:
             torch.set_num_threads(threads_per_rank(usable_cores(), tp_size, config.num_threads))
@@ -83,7 +83,7 @@ class EngineCore:
         else:
             self.model, self.model_config, folder = load_model(
                 config.model, self.dtype, self.device, config.revision, config.hf_token,
-                policy=config.kernel_policy,
+                policy=config.kernel_policy, quantization=config.quantization,
             )  # fmt: skip
             self.model.prepack()
             num_blocks = -1  # from the budget, below

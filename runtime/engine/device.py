@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from kvfleet.kernels.cpu import cpu_features
-from kvfleet.runtime.engine.config import ConfigError
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -16,12 +16,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """The model's activation (and plain weight) dtype for --dtype. auto on CPU with a
+    `quantized` model: float32, which its in-register kernels and fused decode step compute in
+    (bf16 rows would be widened and rounded back around every projection)."""
     if name == "auto":
+        if device.type == "cpu" and quantized:
+            return torch.float32
         if device.type == "cuda" or cpu_features.native_bf16():
             return torch.bfloat16
         return torch.float32
     return getattr(torch, name)
+
+
+def model_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """--dtype resolved for `config`'s model on `device`, knowing whether its checkpoint is
+    quantized (which resolves a Hub id, as loading it would)."""
+    from kvfleet.runtime.models.loader import quantization_of
+
+    scheme = quantization_of(config.model, config.quantization, config.revision, config.hf_token)
+    return resolve_dtype(config.dtype, device, scheme is not None)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

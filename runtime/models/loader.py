@@ -22,10 +22,18 @@ from typing import Any
 
 import torch
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
+from kvfleet.kernels.quant_weight import QuantizedWeight
 from kvfleet.runtime.models import hub
 from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
 from kvfleet.runtime.models.errors import ModelLoadError
+from kvfleet.runtime.models.gguf_weights import GGUFWeights
 from kvfleet.runtime.models.llama import LlamaModel
+from kvfleet.runtime.models.quant_loader import Part, QuantizedSource
+from kvfleet.runtime.models.quantization import (
+    QuantScheme,
+    scheme_of_folder,
+    scheme_of_gguf,
+)
 from kvfleet.runtime.models.shard_layout import Range
 from kvfleet.runtime.models.tp_group import TPGroup
 
@@ -184,12 +192,19 @@ def _save_dequantized(hf_model: Any, folder: Path) -> None:
 
 
 def load_weights(
-    model: LlamaModel, folder: Path, dtype: torch.dtype, device: torch.device | str
+    model: LlamaModel,
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    scheme: QuantScheme | None = None,
+    gguf_path: Path | None = None,
 ) -> None:
     """Fill `model` from the *.safetensors in `folder` (sharded or not), fusing q/k/v and
     gate/up, converting to `dtype` on `device`. A tensor-parallel shard (`model.layout`) reads
     only its slices of each tensor (safetensors slices without reading the rest). A missing
-    tensor, or one whose shape is not the one config.json implies, raises ModelLoadError."""
+    tensor, or one whose shape is not the one config.json implies, raises ModelLoadError.
+    With `scheme`, projections (and a quantized LM head) stay quantized, read from the
+    checkpoint's quantized tensors or, with `gguf_path`, from that GGUF file's blocks."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -229,36 +244,76 @@ def load_weights(
     kv_rows = (lay.kv_heads[0] * d, lay.kv_heads[1] * d)
     full_q, full_kv = cfg.num_heads * d, cfg.num_kv_heads * d
 
+    source = None
+    if scheme is not None:
+        if model.tp is not None:
+            raise ModelLoadError(
+                "quantization: quantized checkpoints do not run with tensor parallelism yet; "
+                "use --tensor-parallel-size 1 or --quantization none"
+            )
+        gguf = None
+        if gguf_path is not None:
+            gguf = GGUFWeights(gguf_path, gguf_architecture(gguf_path), cfg.num_heads,
+                               cfg.num_kv_heads)  # fmt: skip
+
+        def fetch(name: str) -> torch.Tensor | None:
+            handle = where.get(name)
+            return handle.get_tensor(name) if handle is not None else None
+
+        source = QuantizedSource(scheme, torch.device(device), fetch, gguf)
+
+    def placed(module: torch.nn.Module, attr: str, parts: list[Part]) -> bool:
+        """Set projection `attr` from the quantized source where it has one and say so; False:
+        the checkpoint keeps it plain, for the caller to read as for any model."""
+        got = source.fused(parts) if source is not None else None
+        if isinstance(got, QuantizedWeight):
+            delattr(module, attr)  # a Parameter until now; the quantized form is no tensor
+            setattr(module, attr, got)
+        elif got is not None:
+            getattr(module, attr).copy_(got)
+        return got is not None
+
+    vocab_full = (cfg.vocab_size, h)
     with torch.no_grad():
-        model.embed_tokens.copy_(read("model.embed_tokens.weight", (cfg.vocab_size, h), lay.vocab))
+        model.embed_tokens.copy_(read("model.embed_tokens.weight", vocab_full, lay.vocab))
         model.norm.copy_(read("model.norm.weight", (h,)))
-        if not cfg.tie_word_embeddings:
-            model.lm_head.copy_(read("lm_head.weight", (cfg.vocab_size, h), lay.vocab))
+        if source is not None and gguf_path is not None:
+            # GGUF keeps the LM head (or the tied embedding table) quantized too; the lookup
+            # table stays the plain copy read above.
+            head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+            if cfg.tie_word_embeddings:
+                del model.lm_head
+                model.lm_head = model.embed_tokens
+            placed(model, "lm_head", [(head, *vocab_full)])
+        elif not cfg.tie_word_embeddings:
+            model.lm_head.copy_(read("lm_head.weight", vocab_full, lay.vocab))
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             a = f"{p}self_attn."
             parts = [("q", full_q, q_rows), ("k", full_kv, kv_rows), ("v", full_kv, kv_rows)]
-            layer.qkv_proj.copy_(
-                torch.cat([read(f"{a}{n}_proj.weight", (f, h), r) for n, f, r in parts])
-            )
+            if not placed(layer, "qkv_proj", [(f"{a}{n}_proj", f, h) for n, f, _ in parts]):
+                layer.qkv_proj.copy_(
+                    torch.cat([read(f"{a}{n}_proj.weight", (f, h), r) for n, f, r in parts])
+                )
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(
                     torch.cat([read(f"{a}{n}_proj.bias", (f,), r) for n, f, r in parts])
                 )
-            layer.o_proj.copy_(read(f"{a}o_proj.weight", (h, full_q), None, q_rows))
-            layer.gate_up_proj.copy_(
-                torch.cat(
-                    [
-                        read(f"{p}mlp.{n}_proj.weight", (inter, h), lay.intermediate)
-                        for n in ("gate", "up")
-                    ]
+            if not placed(layer, "o_proj", [(f"{a}o_proj", h, full_q)]):
+                layer.o_proj.copy_(read(f"{a}o_proj.weight", (h, full_q), None, q_rows))
+            mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            if not placed(layer, "gate_up_proj", [(m, inter, h) for m in mlp]):
+                layer.gate_up_proj.copy_(
+                    torch.cat([read(f"{m}.weight", (inter, h), lay.intermediate) for m in mlp])
                 )
-            )
-            layer.down_proj.copy_(
-                read(f"{p}mlp.down_proj.weight", (h, inter), None, lay.intermediate)
-            )
+            if not placed(layer, "down_proj", [(f"{p}mlp.down_proj", h, inter)]):
+                layer.down_proj.copy_(
+                    read(f"{p}mlp.down_proj.weight", (h, inter), None, lay.intermediate)
+                )
             layer.input_layernorm.copy_(read(f"{p}input_layernorm.weight", (h,)))
             layer.post_attention_layernorm.copy_(read(f"{p}post_attention_layernorm.weight", (h,)))
+    if source is not None:
+        source.report()
 
 
 def load_model(
@@ -269,10 +324,13 @@ def load_model(
     token: str | None = None,
     tp: TPGroup | None = None,
     policy: KernelPolicy = DEFAULT_POLICY,
+    quantization: str | None = None,
 ) -> tuple[LlamaModel, ModelConfig, Path | None]:
     """Our model with its weights, its config, and the folder it came from (None for
     random:* models, which have none). `revision` and `token` are for Hub ids; with `tp` only
-    that rank's shard is built and read; its ops run the kernels `policy` chooses."""
+    that rank's shard is built and read; its ops run the kernels `policy` chooses.
+    `quantization` (--quantization): None keeps a quantized checkpoint quantized, "none" loads
+    it dequantized, a method name insists on that method (`quantization.scheme_of_folder`)."""
     if model.startswith(RANDOM_PREFIX):
         from kvfleet.runtime.models.random_models import build_random_model
 
@@ -280,10 +338,36 @@ def load_model(
         return net, config, None
     folder = resolve_model(model, revision, token)
     config = load_config(folder)
+    gguf_path = gguf_file_of(model)
+    scheme = scheme_of_gguf(quantization) if gguf_path else scheme_of_folder(folder, quantization)
     net = LlamaModel(config, dtype=dtype, device=device, tp=tp, policy=policy)
-    load_weights(net, folder, dtype, device)
+    load_weights(net, folder, dtype, device, scheme, gguf_path)
     net.eval()
     return net, config, folder
+
+
+def gguf_file_of(model: str) -> Path | None:
+    """The GGUF file a `--model` value names ('bundled' or a .gguf path), else None."""
+    if model == BUNDLED:
+        return bundled_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def quantization_of(
+    model: str,
+    quantization: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+) -> QuantScheme | None:
+    """The scheme `load_model` would load `model` with (resolving it, so a Hub id is fetched
+    first, at `revision` with `token`); None for plain weights and random:* models."""
+    if model.startswith(RANDOM_PREFIX):
+        return None
+    gguf_path = gguf_file_of(model)
+    if gguf_path is not None:
+        return scheme_of_gguf(quantization)
+    return scheme_of_folder(resolve_model(model, revision, token), quantization)
 
 
 def load_config(folder: Path) -> ModelConfig:

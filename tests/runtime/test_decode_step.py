@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from kvfleet.kernels import dispatch
-from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
+from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.loader import load_model
-from paged_decoder import Decoder
+from paged_decoder import Decoder, count_fused_steps
 from tiny_models import make_tiny_model
 
 BF16 = torch.bfloat16
@@ -67,18 +67,6 @@ def _prepacked(folder: Path, policy: KernelPolicy = DEFAULT_POLICY) -> LlamaMode
     return net
 
 
-def _count_fused_steps(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    run = cpu_decode_step.DecodeStack.run
-
-    def counted(self, hidden, positions, meta, policy):
-        calls.append(hidden.shape[0])
-        return run(self, hidden, positions, meta, policy)
-
-    monkeypatch.setattr(cpu_decode_step.DecodeStack, "run", counted)
-    return calls
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-d64"])  # untied; biases; AMX attention
 # One row; a ragged tile (AMX) or a pass of 6 and one of 1 (vectors); several 32-row panels with
 # a ragged last one (AMX) or many passes with a ragged last one (vectors).
@@ -91,7 +79,7 @@ def test_fused_decode_steps_match_the_per_op_loop_bit_for_bit(
     lengths = torch.randint(1, 60, (num_seqs,), generator=torch.Generator().manual_seed(3))
     fused = Decoder(_prepacked(folder, policy), lengths.tolist())
     per_op = fused.fork(_prepacked(folder, _per_op(policy)))
-    calls = _count_fused_steps(monkeypatch)
+    calls = count_fused_steps(monkeypatch)
     for _ in range(3):  # the second and third read what the first wrote
         got = fused.decode()
         want = per_op.decode()
@@ -108,7 +96,7 @@ def test_fused_decode_steps_match_at_other_block_sizes(
     policy = bf16_gemm_engine.policy
     fused = Decoder(_prepacked(tiny_llama_d64, policy), [3, 40, 17, 64], block_size=block_size)
     per_op = fused.fork(_prepacked(tiny_llama_d64, _per_op(policy)))
-    calls = _count_fused_steps(monkeypatch)
+    calls = count_fused_steps(monkeypatch)
     for _ in range(2):
         got = fused.decode()
         assert torch.equal(got, per_op.decode())
@@ -119,7 +107,7 @@ def test_steps_it_cannot_run_keep_the_per_op_loop(bf16_gemm_engine, tiny_llama_d
     """Prefill and mixed steps, and decode steps past the fused call's row limit, go op by op."""
     policy = bf16_gemm_engine.policy
     net = _prepacked(tiny_llama_dir, policy)
-    calls = _count_fused_steps(monkeypatch)
+    calls = count_fused_steps(monkeypatch)
     run = Decoder(net, [5, 9, 3])  # the prefill step
     run.step([[1], [2], [3, 4]])  # a mixed step
     assert calls == []
@@ -170,7 +158,7 @@ def test_bad_position_or_slot_raises_and_writes_no_cache(dtype, tiny_llama_dir, 
         else:  # the second sequence's next slot lies in a block past the pool
             run.tables[1, 0] = 10_000
             match = "past the cache"
-        calls = _count_fused_steps(monkeypatch)
+        calls = count_fused_steps(monkeypatch)
         with pytest.raises(IndexError, match=match):
             run.decode()
         assert calls == [4]
@@ -200,7 +188,7 @@ def _match_per_op(folder: Path, lengths: list[int], steps: int, monkeypatch) -> 
     the row counts the fused call ran."""
     fused = Decoder(_float32(folder), lengths)
     per_op = fused.fork(_float32(folder, _per_op(DEFAULT_POLICY)))
-    calls = _count_fused_steps(monkeypatch)
+    calls = count_fused_steps(monkeypatch)
     for _ in range(steps):  # later steps read what the first wrote
         got = fused.decode()
         assert torch.equal(got, per_op.decode())

@@ -1,0 +1,113 @@
+"""Projections through 4-bit and 8-bit weights on CPU (kernels/cpu/cpu_gemm_quant.c): decode-
+sized float32 steps read the packed weight and dequantize it in registers, so a step streams
+the quantized bytes (the bundled model's Q4_1 layers: 0.75 bytes a weight as held here, against
+4 in float32); larger steps dequantize the whole weight once per call, in C, into torch's float
+GEMM, where the multiply outweighs that pass. Same numbers as the float32 GEMM on the
+dequantized weight (`quant_weight.dequantize`) up to float32 summation order."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from kvfleet.kernels.cpu import cpu_gemm_f32, cpu_library
+from kvfleet.kernels.policy import KernelPolicy
+from kvfleet.kernels.quant_weight import QuantizedWeight, dequantize
+
+# cpu_entry_points.h's QUANT_* codes: the formats the C kernel reads (fp8 has no CPU kernel:
+# no x86 CPU here computes in it, so its weights are dequantized at load).
+_FORMAT_CODES = {"int4": 0, "int8": 1}
+
+
+class QuantWeightStruct(ctypes.Structure):
+    """cpu_entry_points.h's QuantWeight: pointers into a `QuantizedWeight`'s tensors."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("format", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+    ]
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the C library builds, with AVX-512 or AVX2 + FMA (the same
+    builds as the float32 GEMM's)."""
+    return cpu_gemm_f32.available()
+
+
+def supports(weight: object) -> bool:
+    """A CPU weight in a format the C kernel reads."""
+    return (
+        isinstance(weight, QuantizedWeight)
+        and weight.format in _FORMAT_CODES
+        and weight.device.type == "cpu"
+    )
+
+
+def c_struct(weight: QuantizedWeight) -> QuantWeightStruct:
+    """The struct the C kernels take for `weight` (which must outlive it); made once per
+    weight and kept on it, since a step passes each weight many times."""
+    if weight.native is None:
+        weight.native = QuantWeightStruct(
+            weight.qweight.data_ptr(),
+            weight.scales.data_ptr(),
+            weight.offsets.data_ptr() if weight.offsets is not None else None,
+            _FORMAT_CODES[weight.format],
+            weight.group_size,
+        )
+    return weight.native
+
+
+def takes(x: torch.Tensor, weight: QuantizedWeight, *, policy: KernelPolicy) -> bool:
+    """Whether `linear(x, weight)` runs the in-register kernel under `policy`: float32 CPU rows
+    with a contiguous last dimension, 1 to the policy's `quant_gemm_max_rows` of them."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and x.shape[-1] == weight.in_features
+        and 1 <= rows <= policy.quant_gemm_max_rows
+        and supports(weight)
+        and available()
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ dequantize(weight).T + bias for float32 x [..., in_features]; callers check
+    `takes`. bias: float32 [out_features] or None."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows, n, k = flat.shape[0], weight.out_features, weight.in_features
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    status = cpu_library.library().kvfleet_linear_quant(
+        flat.data_ptr(), flat.stride(0), ctypes.byref(c_struct(weight)),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(), out.stride(0), rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(
+            f"quantized linear kernel failed with status {status} for x {tuple(x.shape)} and a "
+            f"{weight.format} weight {weight.shape} (group {weight.group_size})"
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The plain [out, in] weight in `dtype`: by the C kernel where it runs (one pass, both
+    cores), else by the torch reference; the same float32 values either way."""
+    if not (supports(weight) and available()):
+        return dequantize(weight, dtype)
+    out = torch.empty(weight.out_features, weight.in_features, dtype=torch.float32)
+    status = cpu_library.library().kvfleet_dequantize(
+        ctypes.byref(c_struct(weight)), out.data_ptr(), weight.out_features,
+        weight.in_features, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"dequantize kernel failed with status {status}")
+    return out if dtype == torch.float32 else out.to(dtype)

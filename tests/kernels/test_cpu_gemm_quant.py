@@ -1,0 +1,140 @@
+"""The CPU GEMM through 4-bit and 8-bit weights (kernels/cpu/cpu_gemm_quant.c) against the
+exact product with the dequantized weight (`quant_weight.dequantize`, the specification), its
+dequantize pass, and the dispatch that sends decode-sized float32 steps to it and larger ones
+through the dequantized weight."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvfleet.kernels import dispatch
+from kvfleet.kernels.cpu import cpu_gemm_quant
+from kvfleet.kernels.policy import DEFAULT_POLICY
+from kvfleet.kernels.quant_weight import (
+    QuantizedWeight,
+    concat_out,
+    dequantize,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
+KERNELS = dispatch.Kernels()
+MAX_ROWS = DEFAULT_POLICY.quant_gemm_max_rows
+
+
+def _need_kernel():
+    if not cpu_gemm_quant.available():
+        pytest.skip("no AVX-512 or AVX2 here: the float32 GEMM's tests say which")
+
+
+def int8_weight(n: int, k: int, group: int, gen: torch.Generator) -> QuantizedWeight:
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
+    return QuantizedWeight("int8", q, scales, None, n, k, group)
+
+
+def int4_weight(n: int, k: int, group: int, gen: torch.Generator, offsets: bool = True):
+    w = quantize_int4(torch.randn(n, k, generator=gen), group)
+    return w if offsets else dataclasses.replace(w, offsets=None)
+
+
+def assert_one_dot_rounding(got, x, w, bias=None):
+    """Within 2^-18 of sum |x||w| (+|bias|) of the exact product with the dequantized weight:
+    float32 sums in any order stay inside; a wrong nibble, scale or offset does not."""
+    wd = dequantize(w).double()
+    b = bias.double() if bias is not None else torch.zeros(w.out_features, dtype=torch.float64)
+    exact = x.double() @ wd.T + b
+    bound = (x.double().abs() @ wd.abs().T + b.abs()) * 2**-18 + 1e-30
+    assert got.shape == exact.shape
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_int4_layout_round_trips_in_gguf_order():
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    packed = pack_int4(q)
+    # Byte j of a 32-weight run: weight j in the low nibble, weight j + 16 in the high one.
+    assert packed[0, 0].item() == (0 | (16 % 16) << 4) and packed[0, 1].item() == (1 | 1 << 4)
+    assert torch.equal(unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("rows", sorted({1, 2, 3, 4, 5, 17, MAX_ROWS}))
+@pytest.mark.parametrize("fmt", ["int4", "int4-symmetric", "int8"])
+@pytest.mark.parametrize("n,k,group", [(1, 32, 32), (13, 64, 32), (960, 576, 32), (72, 1536, 128)])
+def test_matches_the_dequantized_product(rows, fmt, n, k, group):
+    _need_kernel()
+    gen = torch.Generator().manual_seed(rows * n + k)
+    if fmt == "int8":
+        w = int8_weight(n, k, group, gen)
+    else:
+        w = int4_weight(n, k, group, gen, offsets=fmt == "int4")
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if rows % 2 else None
+    assert_one_dot_rounding(cpu_gemm_quant.linear(x, w, bias), x, w, bias)
+
+
+def test_reads_rows_with_a_stride_and_leading_dimensions():
+    _need_kernel()
+    gen = torch.Generator().manual_seed(3)
+    w = int4_weight(40, 64, 32, gen)
+    wide = torch.randn(2, 3, 100, generator=gen)
+    x = wide[..., 10:74]  # rows 100 apart, the last dimension contiguous
+    got = cpu_gemm_quant.linear(x, w)
+    assert got.shape == (2, 3, 40)
+    assert_one_dot_rounding(got.reshape(6, 40), x.reshape(6, 64), w)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_dequantize_pass_gives_the_specifications_values(fmt):
+    _need_kernel()
+    gen = torch.Generator().manual_seed(5)
+    w = int4_weight(33, 256, 128, gen) if fmt == "int4" else int8_weight(33, 256, 32, gen)
+    assert torch.equal(cpu_gemm_quant.dequantized(w, torch.float32), dequantize(w))
+
+
+def test_dispatch_routes_by_rows_and_matches_across_the_limit():
+    _need_kernel()
+    gen = torch.Generator().manual_seed(9)
+    w = int4_weight(96, 128, 32, gen)
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        path = KERNELS.linear_path(w, rows)
+        assert (path == dispatch.PATH_DEQUANTIZED) == (rows > MAX_ROWS)
+        x = torch.randn(rows, 128, generator=gen)
+        assert_one_dot_rounding(KERNELS.linear(x, w), x, w)
+
+
+def test_bf16_rows_get_bf16_results_of_the_float32_product():
+    _need_kernel()
+    gen = torch.Generator().manual_seed(11)
+    w = int4_weight(64, 64, 32, gen)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    got = KERNELS.linear(x, w)
+    assert got.dtype == torch.bfloat16
+    want = F.linear(x.float(), dequantize(w)).to(torch.bfloat16)
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fused_projections_stack_their_rows():
+    gen = torch.Generator().manual_seed(13)
+    parts = [int4_weight(n, 64, 32, gen) for n in (32, 8, 8)]
+    fused = concat_out(parts)
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(p) for p in parts]))
+    with pytest.raises(ValueError, match="different layouts"):
+        concat_out([parts[0], int8_weight(8, 64, 32, gen)])
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"group_size": 48}, "group_size"),
+        ({"scales": torch.zeros(4, 3)}, "scales"),
+        ({"format": "int3"}, "format"),
+    ],
+)
+def test_a_malformed_weight_names_its_field(change, field):
+    gen = torch.Generator().manual_seed(1)
+    w = int4_weight(4, 64, 32, gen)
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(w, **change)
