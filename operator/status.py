@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvfleet.operator import conditions as c
 from kvfleet.operator.apply_router import RouterOutcome
 from kvfleet.operator.lora_status import lora_problem
+from kvfleet.operator.pod_problems import pods_problem
 from kvfleet.operator.render import (
     DEFAULT_CLUSTER_DOMAIN,
-    DOWNLOAD_CONTAINER_NAME,
     GENERATION_ANNOTATION,
     selector_string,
     served_name,
@@ -18,56 +18,6 @@ from kvfleet.operator.render import (
 )
 from kvfleet.operator.spec import SpecError, parse_spec
 from kvfleet.operator.spec_check import SpecProblem
-
-# Container waiting reasons that will not fix themselves: the pod needs a human.
-STUCK_REASONS = frozenset(
-    {
-        "CrashLoopBackOff",
-        "ImagePullBackOff",
-        "ErrImagePull",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "RunContainerError",
-    }
-)
-
-
-def _tail(log: str, lines: int = 3) -> str:
-    """The last lines of a log-backed termination message: where a program says what failed."""
-    kept = [line.strip() for line in log.strip().splitlines() if line.strip()]
-    return " / ".join(kept[-lines:])
-
-
-def _pod_problem(pods: Iterable[Mapping[str, Any]]) -> c.Condition | None:
-    for pod in pods:
-        pod_name = pod.get("metadata", {}).get("name", "?")
-        status = pod.get("status") or {}
-        for key, kind in (
-            ("initContainerStatuses", "init container"),
-            ("containerStatuses", "container"),
-        ):
-            for cs in status.get(key) or []:
-                waiting = (cs.get("state") or {}).get("waiting") or {}
-                reason = waiting.get("reason", "")
-                if reason not in STUCK_REASONS:
-                    continue
-                # The last exit's termination message holds the program's own error (the
-                # download container's policy is FallbackToLogsOnError).
-                last = (cs.get("lastState") or {}).get("terminated") or {}
-                detail = (
-                    _tail(last.get("message", ""))
-                    or waiting.get("message")
-                    or f"restarted {cs.get('restartCount', 0)} times"
-                )
-                if "exitCode" in last:
-                    detail = f"exit code {last['exitCode']}: {detail}"
-                name = cs.get("name", "?")
-                message = f"pod {pod_name} {kind} {name}: {reason}: {detail}"
-                if name == DOWNLOAD_CONTAINER_NAME and reason == "CrashLoopBackOff":
-                    reason = "ModelDownloadFailed"
-                return c.Condition(c.DEGRADED, c.TRUE, reason, message)
-    return None
 
 
 def _deployment_problem(dep_status: Mapping[str, Any]) -> c.Condition | None:
@@ -234,7 +184,12 @@ def compute_status(
                 c.READY, c.FALSE, "NoReplicasReady", f"0 of {desired} replicas ready"
             )
         router_pods = (router.pods or []) if router is not None else []
-        degraded = _pod_problem([*pods, *router_pods]) or _deployment_problem(d_status)
+        pod = pods_problem([*pods, *router_pods])
+        degraded = (
+            c.Condition(c.DEGRADED, c.TRUE, pod.reason, pod.message)
+            if pod is not None
+            else _deployment_problem(d_status)
+        )
         if router is not None and router.deployment is not None:
             readiness = _router_readiness(readiness, router.deployment)
         if degraded is None and router is not None and router.problem is not None:

@@ -40,10 +40,16 @@ if generation ~= nil and status.observedGeneration ~= nil and status.observedGen
   return hs
 end
 
+-- The reason leads the message: it is the key of docs/troubleshooting.md (Unschedulable,
+-- ImagePullFailed, CrashLoop, OOMKilled, ModelDownloadFailed, InvalidSpec...).
 local degraded = condition(conditions, "Degraded")
 if degraded ~= nil and degraded.status == "True" then
   hs.status = "Degraded"
-  hs.message = degraded.message or degraded.reason or "InferenceService is degraded"
+  if degraded.reason ~= nil and degraded.message ~= nil and degraded.message ~= "" then
+    hs.message = degraded.reason .. ": " .. degraded.message
+  else
+    hs.message = degraded.message or degraded.reason or "InferenceService is degraded"
+  end
   return hs
 end
 

@@ -124,7 +124,30 @@ def test_degraded_reports_the_operator_message() -> None:
             condition("Degraded", "True", 2, reason="InvalidSpec", message=message),
         ],
     }
-    assert run_health(infsvc(2, status)) == ("Degraded", message)
+    assert run_health(infsvc(2, status)) == ("Degraded", f"InvalidSpec: {message}")
+
+
+def test_a_pod_that_cannot_be_scheduled_is_degraded_under_its_reason() -> None:
+    # The status the operator computes for a pod the scheduler cannot place: Argo CD shows the
+    # reason first, the key of docs/troubleshooting.md.
+    from kvfleet.operator.status import compute_status
+
+    isvc = infsvc(2)
+    isvc["spec"] = {"model": {"uri": "bundled"}, "replicas": 1}
+    deployment = {
+        "metadata": {"generation": 1, "annotations": {"kvfleet.dev/generation": "2"}},
+        "spec": {"replicas": 1},
+        "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1},
+    }
+    scheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}  # fmt: skip
+    pod = {"metadata": {"name": "chat-x"}, "status": {"conditions": [scheduled]}}
+    isvc["status"] = compute_status(isvc, deployment, [pod], now="2025-01-01T00:00:00Z")
+    assert run_health(isvc) == (
+        "Degraded",
+        "Unschedulable: pod chat-x cannot be scheduled: 0/2 nodes are available: 2 Insufficient "
+        "nvidia.com/gpu.",
+    )
 
 
 def test_degraded_wins_over_ready() -> None:
@@ -135,7 +158,7 @@ def test_degraded_wins_over_ready() -> None:
             condition("Degraded", "True", 2, reason="CrashLooping", message="pod chat-0 restarts"),
         ],
     }
-    assert run_health(infsvc(2, status)) == ("Degraded", "pod chat-0 restarts")
+    assert run_health(infsvc(2, status)) == ("Degraded", "CrashLooping: pod chat-0 restarts")
 
 
 def test_not_ready_and_not_progressing_is_still_progressing() -> None:

@@ -140,7 +140,7 @@ async def test_crash_looping_pod_shows_degraded(operator):
     degraded = await eventually(
         lambda: (c := condition(k8s, "chat", "Degraded")) and c["status"] == "True" and c
     )
-    assert degraded["reason"] == "CrashLoopBackOff" and "chat-abc" in degraded["message"]
+    assert degraded["reason"] == "CrashLoop" and "chat-abc" in degraded["message"]
 
 
 async def test_bad_spec_is_degraded_without_children_or_crash(operator):

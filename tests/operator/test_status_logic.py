@@ -123,7 +123,7 @@ def test_failed_model_download_is_degraded_with_the_downloads_own_error():
     degraded = find_condition(status["conditions"], "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ModelDownloadFailed")
     assert degraded["message"] == (
-        "pod chat-1 init container model-download: CrashLoopBackOff: exit code 1: "
+        "pod chat-1 init container model-download: exit code 1: "
         "Fetching 4 files / error: org/name is gated: set spec.model.hfTokenSecretRef"
     )
     # Still downloading is not a problem, and a missing Secret keeps the kubelet's reason.
@@ -168,6 +168,6 @@ def test_tensor_parallel_is_served_and_degraded_only_by_gpus_or_the_runtimes_ref
     }
     running = deployment(replicas=1, updatedReplicas=1, availableReplicas=0, readyReplicas=0)
     degraded = find_condition(compute_status(ISVC, running, [pod])["conditions"], "Degraded")
-    assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoopBackOff")
+    assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoop")
     assert "exit code 1" in degraded["message"]
     assert "9 attention heads and 3 KV heads" in degraded["message"]

@@ -48,7 +48,7 @@ def test_a_crash_looping_router_pod_is_degraded():
     }  # fmt: skip
     outcome = RouterOutcome("kvfleet", router_deployment(0), pods=[pod])
     status = compute_status(ISVC, RUNTIME, router=outcome)
-    assert condition(status, "Degraded") == ("True", "CrashLoopBackOff")
+    assert condition(status, "Degraded") == ("True", "CrashLoop")
     assert "chat-router-x" in find_condition(status["conditions"], "Degraded")["message"]
 
 
