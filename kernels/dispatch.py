@@ -166,7 +166,9 @@ class Kernels:
         rows_f32 = x if x.dtype == torch.float32 else x.float()
         if cpu_gemm_quant.takes(rows_f32, weight, policy=self.policy):
             return cpu_gemm_quant.linear(rows_f32, weight, bias).to(x.dtype)
-        return F.linear(x, cpu_gemm_quant.dequantized(weight, x.dtype), bias)
+        # Dequantized into a buffer reused by every projection, then the plain weight's path
+        # (cpu_gemm_f32's rows in lanes up to its row limit, else MKL).
+        return self.linear(x, cpu_gemm_quant.dequantized(weight, x.dtype, scratch=True), bias)
 
     def add_lora(
         self,

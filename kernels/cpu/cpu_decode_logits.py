@@ -37,6 +37,7 @@ class _Ends(ctypes.Structure):
         ("lm_head", ctypes.c_void_p),
         ("lm_head_rows", ctypes.c_int64),
         ("lm_head_quantized", ctypes.c_int32),
+        ("lm_head_scratch", ctypes.c_void_p),
     ]
 
 
@@ -64,11 +65,13 @@ class DecodeLogits:
         head = (
             ctypes.addressof(cpu_gemm_quant.c_struct(lm_head)) if quantized else lm_head.data_ptr()
         )
+        # A quantized head's dequantized form for steps past the in-register GEMM's rows
+        # (pages are touched only if such steps come).
+        self._head_scratch = torch.empty(lm_head_rows * embed.shape[1]) if quantized else None
         self._ends = _Ends(
-            embed.data_ptr(), self.vocab, norm.data_ptr(), head, lm_head_rows, int(quantized)
-        )
-        # A quantized LM head runs on cpu_gemm_quant: its rows bound the steps taken here.
-        self._head_quantized = quantized
+            embed.data_ptr(), self.vocab, norm.data_ptr(), head, lm_head_rows, int(quantized),
+            self._head_scratch.data_ptr() if quantized else None,
+        )  # fmt: skip
         self._ids = (ctypes.c_int64 * max_rows)()
         self._positions = (ctypes.c_int64 * max_rows)()
         self._slots = (ctypes.c_int64 * max_rows)()
@@ -87,7 +90,6 @@ class DecodeLogits:
             policy.fused_decode_step
             and rows <= policy.one_call_max_rows
             and self.stack.takes_rows(rows, policy)
-            and (not self._head_quantized or rows <= policy.quant_gemm_max_rows)
             and rows <= self.max_rows
             and max_blocks <= self.max_blocks
         )
@@ -119,6 +121,7 @@ class DecodeLogits:
         out = self._views.get(m)
         if out is None:
             out = self._views[m] = self._logits[:m]
+        self.stack.route(policy)
         lib = cpu_library.library()
         args = (
             ctypes.byref(self.stack.c_struct), ctypes.byref(self._ends), self._ids, m,

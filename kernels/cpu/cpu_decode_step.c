@@ -63,18 +63,30 @@ typedef struct {
     const float *cos_sin; /* rows of rot_dim / 2 cosines then sines, float32 */
     int64_t cos_sin_stride, max_position;
     float eps, scale;
-    int32_t quantized; /* float32 only: every projection a QuantWeight (cpu_gemm_quant.c) */
+    /* float32 only: every projection a QuantWeight (cpu_gemm_quant.c). Steps of up to
+     * quant_max_rows rows run its in-register GEMM; larger ones dequantize each weight into
+     * `scratch` (the largest projection's size) and run the float32 GEMM, as the per-op path
+     * does (cpu_decode_step.py sets quant_max_rows from each step's kernel policy). */
+    int32_t quantized;
+    int64_t quant_max_rows;
+    float *scratch;
 } DecodeStack;
 
-/* A float32 step's projection: the plain weight's GEMM or the quantized one's, as the per-op
- * path (dispatch.Kernels.linear) runs them. */
-static int project_f32(int quantized, const float *x, int64_t x_stride, const void *w,
-                       const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
-                       int64_t k, int num_threads) {
-    return quantized ? kvfleet_linear_quant(x, x_stride, (const QuantWeight *)w, bias, out,
-                                            out_stride, m, n, k, num_threads)
-                     : kvfleet_linear_f32(x, x_stride, (const float *)w, bias, out, out_stride, m,
-                                          n, k, num_threads);
+/* A float32 step's projection: the plain weight's GEMM or, for a quantized one, its in-register
+ * GEMM or the float32 GEMM on the weight dequantized into `scratch`, as the per-op path
+ * (dispatch.Kernels.linear) runs them. */
+static int project_f32(int quantized, int64_t quant_max_rows, float *scratch, const float *x,
+                       int64_t x_stride, const void *w, const float *bias, float *out,
+                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (!quantized)
+        return kvfleet_linear_f32(x, x_stride, (const float *)w, bias, out, out_stride, m, n, k,
+                                  num_threads);
+    if (m <= quant_max_rows)
+        return kvfleet_linear_quant(x, x_stride, (const QuantWeight *)w, bias, out, out_stride, m,
+                                    n, k, num_threads);
+    const int status = kvfleet_dequantize((const QuantWeight *)w, scratch, n, k, num_threads);
+    if (status != OK) return status;
+    return kvfleet_linear_f32(x, x_stride, scratch, bias, out, out_stride, m, n, k, num_threads);
 }
 
 #define FAIL(stage, call)                                                                  \
@@ -176,32 +188,33 @@ int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *resi
     float *normed = buffers, *qkv = normed + m * h, *attn = qkv + m * qkv_n;
     float *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_n;
     const float eps = stack->eps;
-    const int quantized = stack->quantized;
+/* This step's projection through weight w (the stack's kind of weights). */
+#define PROJECT(x, x_stride, w, bias, out, out_stride, n, k)                                    \
+    project_f32(stack->quantized, stack->quant_max_rows, stack->scratch, x, x_stride, w, bias,   \
+                out, out_stride, m, n, k, num_threads)
 
     for (int layer = 0; layer < stack->num_layers; layer++) {
         const DecodeLayer *w = &stack->layers[layer];
         /* The first layer starts the residual stream from the embeddings. */
         FAIL(STAGE_QKV, kvfleet_add_rms_norm(hidden, h, residual, layer > 0, w->input_norm, normed,
                                              m, (int)h, eps, DTYPE_FLOAT32, num_threads));
-        FAIL(STAGE_QKV, project_f32(quantized, normed, h, w->qkv, w->qkv_bias, qkv, qkv_n, m,
-                                    qkv_n, h, num_threads));
+        FAIL(STAGE_QKV, PROJECT(normed, h, w->qkv, w->qkv_bias, qkv, qkv_n, qkv_n, h));
         FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_FLOAT32, sizeof(float),
                                         m, positions, slots, block_tables, table_stride, seq_lens,
                                         allow_amx, num_threads));
-        FAIL(STAGE_O, project_f32(quantized, attn, q_size, w->o, NULL, hidden, h, m, h, q_size,
-                                  num_threads));
+        FAIL(STAGE_O, PROJECT(attn, q_size, w->o, NULL, hidden, h, h, q_size));
         FAIL(STAGE_GATE_UP, kvfleet_add_rms_norm(hidden, h, residual, 1, w->post_norm, normed, m,
                                                  (int)h, eps, DTYPE_FLOAT32, num_threads));
-        FAIL(STAGE_GATE_UP, project_f32(quantized, normed, h, w->gate_up, NULL, gate_up,
-                                        gate_up_n, m, gate_up_n, h, num_threads));
+        FAIL(STAGE_GATE_UP,
+             PROJECT(normed, h, w->gate_up, NULL, gate_up, gate_up_n, gate_up_n, h));
         FAIL(STAGE_DOWN, kvfleet_silu_and_mul(gate_up, gate_up_n, act, m, (int)inter,
                                               DTYPE_FLOAT32, num_threads));
-        FAIL(STAGE_DOWN, project_f32(quantized, act, inter, w->down, NULL, hidden, h, m, h, inter,
-                                     num_threads));
+        FAIL(STAGE_DOWN, PROJECT(act, inter, w->down, NULL, hidden, h, h, inter));
     }
     free(buffers);
     return OK;
 }
+#undef PROJECT
 
 /* What a step runs besides the decoder stack, for the one call from token ids to logits: the
  * embedding table it starts from, the final norm and the LM head it ends with. */
@@ -213,6 +226,8 @@ typedef struct {
                           * or, with lm_head_quantized, a QuantWeight */
     int64_t lm_head_rows;
     int32_t lm_head_quantized;
+    float *lm_head_scratch; /* a quantized head's dequantized form, for steps past the stack's
+                             * quant_max_rows */
 } DecodeEnds;
 
 #define ENDS_FAILED(status) ((STAGE_ENDS * STATUS_RANGE) + (status))
@@ -262,7 +277,8 @@ static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int d
                                          NULL, 0.0f, ends->lm_head, NULL, logits_bf16, n, m, n,
                                          h, gemm_kernel, num_threads);
         else if (status == OK)
-            status = project_f32(ends->lm_head_quantized, (const float *)normed, h, ends->lm_head,
+            status = project_f32(ends->lm_head_quantized, stack->quant_max_rows,
+                                 ends->lm_head_scratch, (const float *)normed, h, ends->lm_head,
                                  NULL, logits, n, m, n, h, num_threads);
         if (status != OK) status = ENDS_FAILED(status);
     }

@@ -90,6 +90,8 @@ class _Stack(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("quantized", ctypes.c_int32),
+        ("quant_max_rows", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
     ]
 
 
@@ -177,7 +179,14 @@ class DecodeStack:
             shape.eps,
             shape.scale,
             int(self.quantized),
+            0,  # set per step from its policy
+            None,
         )
+        if self.quantized:
+            # Where steps past the in-register GEMM's rows dequantize each weight.
+            largest = max(p.out_features * p.in_features for w in layers for p in _projections(w))
+            self._scratch = torch.empty(largest, dtype=torch.float32)
+            self._stack.scratch = self._scratch.data_ptr()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_position = cos_sin_cache.shape[0]
 
@@ -186,16 +195,22 @@ class DecodeStack:
         """The DecodeStack struct the C calls take (by reference)."""
         return self._stack
 
+    def route(self, policy: KernelPolicy) -> None:
+        """Route the next C call's quantized projections as `policy` routes the per-op path's
+        (in registers up to its quant_gemm_max_rows)."""
+        self._stack.quant_max_rows = policy.quant_gemm_max_rows
+
     def takes_rows(self, rows: int, policy: KernelPolicy) -> bool:
         """Whether a decode step of `rows` sequences runs here under `policy`: as many as the
         per-op path would run on the same GEMM kernel (`cpu_gemm.max_rows(policy)` in bf16,
-        `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32, 1 to its
-        `quant_gemm_max_rows` through quantized weights), so that fused and per-op give the
-        same bits."""
+        `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32; through
+        quantized weights 1 to its `quant_gemm_max_rows` in registers, then dequantized up to
+        `f32_gemm_max_rows`), so that fused and per-op give the same bits."""
         if self.dtype == _BF16:
             lo, hi = 1, cpu_gemm.max_rows(policy)
         elif self.quantized:
-            lo, hi = 1, policy.quant_gemm_max_rows
+            # In-register up to its rows; past them dequantized into the float32 GEMM.
+            lo, hi = 1, max(policy.quant_gemm_max_rows, policy.f32_gemm_max_rows)
         else:
             lo, hi = cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
         return lo <= rows <= hi
@@ -240,6 +255,7 @@ class DecodeStack:
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
         residual = torch.empty(rows, self.hidden, dtype=torch.float32)
+        self.route(policy)
         tables = meta.block_tables
         lib = cpu_library.library()
         args = (
@@ -321,6 +337,10 @@ def is_plain_f32(weight: object, rows: int, cols: int) -> bool:
         and weight.shape == (rows, cols)
         and weight.is_contiguous()
     )
+
+
+def _projections(w: LayerWeights) -> tuple[object, ...]:
+    return (w.qkv, w.o, w.gate_up, w.down)
 
 
 def is_quantized(weight: object, rows: int, cols: int) -> bool:

@@ -4,22 +4,26 @@
  *
  * Why: a decode step streams every weight once per step, so its time is the bytes it reads. The
  * bundled model's Q4_1 file holds 0.6 bytes a weight; dequantized to float32 at start it streamed
- * 4 bytes a weight (bf16: 2). Here the packed bytes are read and each weight becomes a float
- * only in a register: w = q * scale + offset in one FMA (exact: for every format here the
- * product and sum are representable, so w is the dequantized weight's float32 value), then
- * multiplied into the rows of x like the float32 GEMM does (results differ from it by float32
- * summation order only).
+ * 4 bytes a weight (bf16: 2). Here the packed bytes are read and widened to int16 words in
+ * registers only. Converting each weight to float (a widen, a convert and an FMA per 8 weights
+ * on AVX2) measured as slow as this whole kernel, so the arithmetic is integer instead: each run
+ * of 32 activations is rounded to int16 with a scale (its largest magnitude maps to 32767), a
+ * run's dot product is one or two vpmaddwd, and its int32 sum is scaled into the float
+ * accumulator by the activations' scale times the group's weight scale; an asymmetric format's
+ * offsets add offset x (the group's float sum of x) once per group. The rounding of x costs at
+ * most half an int16 step of its run's largest value per product: ~100x finer than bf16
+ * activations, coarser than float32 (tests/kernels/test_cpu_gemm_quant.py bounds it).
  *
  * Shape of the work: columns (weight rows) are split between threads in tiles of NR; a tile's
  * NR weight rows are adjacent in memory (one contiguous stream). A micro-tile of MR rows by NR
  * columns keeps MR x NR = LANES vector accumulators (one transpose-and-add, cpu_math.h's reduce8
- * or reduce16, ends it); each run of 32 weights is unpacked once per micro-tile and used by its
- * MR rows, so more rows amortise the unpacking: 1 x LANES for one row, 2 x LANES/2 for two or
- * three, 4 x LANES/4 above (rows in blocks of 4 over the same columns).
+ * or reduce16, ends it); each run of 32 weights is widened once per micro-tile and used by its
+ * MR rows: 1 x LANES for one row, 2 x LANES/2 for two or three, 4 x LANES/4 above. Past the
+ * kernel policy's quant_gemm_max_rows (8) dequantizing the weight once per call
+ * (kvfleet_dequantize, the float form) into the float32 GEMM is faster.
  *
- * One source for AVX-512 (16 lanes) and AVX2 + FMA (8 lanes); the run unpacking is the only
- * instruction-set-specific part. Larger steps (prefills) dequantize once per call
- * (kvfleet_dequantize) into the float GEMM paths.
+ * One source for AVX-512 (16 lanes) and AVX2 + FMA (8 lanes); the widening and the word dot are
+ * the only instruction-set-specific parts.
  *
  * Layouts: x [m, k] float32 with row stride x_stride; W as described, [n, k]; bias [n] or NULL;
  * out [m, n] with row stride out_stride. k a multiple of the group size, itself a multiple of 32.
@@ -159,8 +163,10 @@ static void quantize_run(const float *x, int16_t *q, float *scale, float *sum) {
         const int64_t row_bytes = runs * (BYTES_PER_RUN);                                     \
         vec acc[LANES];                                                                        \
         _Pragma("GCC unroll 16") for (int t = 0; t < LANES; t++) acc[t] = vzero();             \
-        for (int64_t r = 0; r < runs; r++) {                                                   \
-            const int64_t g = r / runs_per_group;                                              \
+        for (int64_t r = 0, g = 0, left = runs_per_group; r < runs; r++) {                     \
+            /* (the group by counting, not by a division per run) */                      \
+            if (left == 0) g++, left = runs_per_group;                                         \
+            left--;                                                                            \
             _Pragma("GCC unroll 16") for (int j = 0; j < NR; j++) {                            \
                 const wvec wv = words_##FMT(w->q + cols[j] * row_bytes + r * (BYTES_PER_RUN)); \
                 const float ws = w->scales[cols[j] * groups + g];                              \

@@ -12,11 +12,17 @@ from typing import Any
 from kvfleet.kernels.policy import KernelPolicy
 
 # The policy fields that bound kvfleet's own GEMMs, one per kernel (engine).
-GEMM_ROW_LIMITS = ("amx_gemm_max_rows", "avx512_bf16_gemm_max_rows", "f32_gemm_max_rows")
+GEMM_ROW_LIMITS = (
+    "amx_gemm_max_rows",
+    "avx512_bf16_gemm_max_rows",
+    "f32_gemm_max_rows",
+    "quant_gemm_max_rows",
+)
 
 
 def library_gemms(policy: KernelPolicy) -> KernelPolicy:
-    """`policy` with kvfleet's own GEMMs off: every projection on torch (oneDNN or MKL), which
+    """`policy` with kvfleet's own GEMMs off: every projection on torch (oneDNN or MKL; a
+    quantized weight dequantized per call), which
     also keeps decode steps off the fused call (it runs only where the per-op path's GEMMs are
     kvfleet's)."""
     return replace(policy, **dict.fromkeys(GEMM_ROW_LIMITS, 0))

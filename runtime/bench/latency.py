@@ -23,8 +23,10 @@ off (every projection on torch's oneDNN or MKL, and so op by op, no fused step),
 with the default path: what those kernels gain, measured in the same run. `--baseline two-call`
 runs every batch size again with decode steps in two calls (the fused stack, then the final
 norm, LM head and sampling from Python) instead of one from token ids to logits: what the one
-call gains, in turns. Each baseline is a kernel policy of its own that the model runs in its
-turns (`kernel_policies`); the report and its table are `latency_report`'s.
+call gains, in turns. Each of those is a kernel policy of its own that the model runs in its
+turns (`kernel_policies`). `--baseline dequantized` loads a quantized model a second time with
+`--quantization none` and runs every row on that engine in turns: what keeping the weights
+quantized gains. The report and its table are `latency_report`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvfleet.runtime.bench import kernel_policies
@@ -84,12 +86,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed prompts per length (default 3)")
     p.add_argument(
         "--baseline",
-        choices=("none", "library", "two-call"),
+        choices=("none", "library", "two-call", "dequantized"),
         default="none",
         help="library: also time each row with kvfleet's GEMMs off (torch's oneDNN/MKL, op by "
         "op), in turns with the default path; two-call: each decode row with decode steps in "
         "two calls (the fused stack, then the LM head from Python) instead of one call from "
-        "token ids to logits, in turns",
+        "token ids to logits, in turns; dequantized: each row on a second engine of the same "
+        "quantized model loaded with --quantization none (in --dtype), in turns",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     add_engine_args(p)
@@ -346,44 +349,46 @@ def measure(args: argparse.Namespace) -> dict:
     weight = _projection_weight(engine)
     max_batched = engine.scheduler.config.max_num_batched_tokens
 
-    # The baseline's policy, for decode rows; prompts are compared only with the library's
-    # GEMMs (the one call is for decode steps).
-    policy = model.kernels.policy
-    make_baseline = {
+    # The baseline: a policy of this engine's model (library, two-call), or another engine of
+    # the same model loaded dequantized, running its own. Prompts are compared against the
+    # library's GEMMs and the dequantized model, not two-call (the one call is for decodes).
+    base_engine = engine
+    if args.baseline == "dequantized":
+        base_engine = LLMEngine(replace(config, quantization="none"))
+        base_engine.warm_up()
+    base_policy = {
         "library": kernel_policies.library_gemms,
         "two-call": kernel_policies.two_calls,
-    }.get(args.baseline)
-    baseline = make_baseline(policy) if make_baseline is not None else None
-    library = kernel_policies.library_gemms(policy) if args.baseline == "library" else None
+    }.get(args.baseline, lambda p: p)(base_engine.model.kernels.policy)
+    timed_prompts = args.baseline in ("library", "dequantized")
 
-    def decode(n: int) -> dict:
-        row = measure_decode(
-            engine, n, args.context, args.decode_steps, args.warmup_steps, rng, pool
-        )
-        return {**row, "gemm_path": model.kernels.linear_path(weight, n)}
+    def decode(e: Any, n: int) -> dict:
+        row = measure_decode(e, n, args.context, args.decode_steps, args.warmup_steps, rng, pool)
+        return {**row, "gemm_path": e.model.kernels.linear_path(_projection_weight(e), n)}
 
     # Default path and baseline take turns per batch size and per prompt: each comparison is
     # made within seconds on a host whose speed drifts over minutes.
     decode_raw, decode_base, beside = [], {}, {}
+    base_weight = _projection_weight(base_engine)
     for n in sequences:
         before = measure_read_rate(device, probe)
-        decode_raw.append((n, decode(n)))
+        decode_raw.append((n, decode(engine, n)))
         beside[n] = max(before, measure_read_rate(device, probe))
-        if baseline is not None:
-            with kernel_policies.running(model, baseline):
-                decode_base[n] = decode(n)
+        if args.baseline != "none":
+            with kernel_policies.running(base_engine.model, base_policy):
+                decode_base[n] = decode(base_engine, n)
     ttft_raw, ttft_base = [], {}
     for t in prompts:
         times, base = [], []
         for _ in range(args.repeats):
             times += measure_ttft(engine, t, 1, rng, pool)
-            if library is not None:
-                with kernel_policies.running(model, library):
-                    base += measure_ttft(engine, t, 1, rng, pool)
+            if timed_prompts:
+                with kernel_policies.running(base_engine.model, base_policy):
+                    base += measure_ttft(base_engine, t, 1, rng, pool)
         ttft_raw.append((t, times, model.kernels.linear_path(weight, min(t, max_batched))))
-        if library is not None:
-            with kernel_policies.running(model, library):
-                path = model.kernels.linear_path(weight, min(t, max_batched))
+        if timed_prompts:
+            with kernel_policies.running(base_engine.model, base_policy):
+                path = base_engine.model.kernels.linear_path(base_weight, min(t, max_batched))
             ttft_base[t] = {
                 "ttft_median_ms": statistics.median(base) * 1e3,
                 "ttft_min_ms": min(base) * 1e3,

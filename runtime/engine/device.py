@@ -35,7 +35,11 @@ def model_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     from kvfleet.runtime.models.loader import quantization_of
 
     scheme = quantization_of(config.model, config.quantization, config.revision, config.hf_token)
-    return resolve_dtype(config.dtype, device, scheme is not None)
+    # Under tensor parallelism a GGUF loads dequantized (loader.load_model).
+    sharded_gguf = (
+        config.tensor_parallel_size > 1 and scheme is not None and scheme.method == "gguf"
+    )
+    return resolve_dtype(config.dtype, device, scheme is not None and not sharded_gguf)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -248,8 +248,8 @@ def load_weights(
     if scheme is not None:
         if model.tp is not None:
             raise ModelLoadError(
-                "quantization: quantized checkpoints do not run with tensor parallelism yet; "
-                "use --tensor-parallel-size 1 or --quantization none"
+                "quantization: quantized checkpoints do not run with tensor parallelism yet "
+                "(GGUF files load dequantized); use --tensor-parallel-size 1"
             )
         gguf = None
         if gguf_path is not None:
@@ -340,6 +340,11 @@ def load_model(
     config = load_config(folder)
     gguf_path = gguf_file_of(model)
     scheme = scheme_of_gguf(quantization) if gguf_path else scheme_of_folder(folder, quantization)
+    if scheme is not None and tp is not None and scheme.method == "gguf":
+        # A shard reads slices of plain tensors; the GGUF's dequantized copy has them.
+        if tp.rank == 0:
+            log.warning("quantization: GGUF weights load dequantized under tensor parallelism")
+        scheme = None
     net = LlamaModel(config, dtype=dtype, device=device, tp=tp, policy=policy)
     load_weights(net, folder, dtype, device, scheme, gguf_path)
     net.eval()

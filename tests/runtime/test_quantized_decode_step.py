@@ -1,6 +1,7 @@
 """The fused decode step and the one-call step from token ids to logits run quantized models too
-(4-bit projections, and the bundled GGUF's 8-bit LM head) with the per-op path's bits, for the
-rows the per-op path runs on the quantized GEMM kernel, and leave larger steps to it."""
+(4-bit projections, and the bundled GGUF's 8-bit LM head) with the per-op path's bits: in
+registers up to the policy's quant_gemm_max_rows, dequantized into the float32 GEMM past it,
+and leave steps past that GEMM's rows (MKL's in the per-op path) to the per-op path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from kvfleet.runtime.models.loader import load_model
 from paged_decoder import Decoder, count_fused_steps
 from quantized_checkpoints import write_quantized
 
-MAX_ROWS = DEFAULT_POLICY.quant_gemm_max_rows
+MAX_ROWS = DEFAULT_POLICY.quant_gemm_max_rows  # in registers; past it dequantized
+F32_ROWS = DEFAULT_POLICY.f32_gemm_max_rows
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +42,7 @@ def _model(model: str | Path, policy: KernelPolicy = DEFAULT_POLICY) -> LlamaMod
     return net
 
 
-@pytest.mark.parametrize("num_seqs", [1, 3, 6, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("num_seqs", [1, 3, MAX_ROWS, MAX_ROWS + 1, F32_ROWS, F32_ROWS + 1])
 def test_fused_quantized_steps_match_the_per_op_loop(num_seqs, awq_dir, monkeypatch):
     lengths = torch.randint(1, 50, (num_seqs,), generator=torch.Generator().manual_seed(num_seqs))
     fused = Decoder(_model(awq_dir), lengths.tolist())
@@ -50,11 +52,11 @@ def test_fused_quantized_steps_match_the_per_op_loop(num_seqs, awq_dir, monkeypa
         assert torch.equal(fused.decode(), per_op.decode())
     for (k1, v1), (k2, v2) in zip(fused.kv, per_op.kv, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    # Past the quantized kernel's rows the per-op path dequantizes: the fused step stays out.
-    assert calls == ([num_seqs] * 3 if num_seqs <= MAX_ROWS else [])
+    # Past the float32 GEMM's rows the per-op path runs MKL: the fused step stays out.
+    assert calls == ([num_seqs] * 3 if num_seqs <= F32_ROWS else [])
 
 
-@pytest.mark.parametrize("num_seqs", [1, 4])
+@pytest.mark.parametrize("num_seqs", [1, MAX_ROWS + 2])  # in registers; dequantized
 def test_one_call_logits_through_the_bundled_q8_head(num_seqs):
     net = _model("bundled")
     assert net.lm_head.format == "int8"
