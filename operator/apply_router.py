@@ -58,10 +58,16 @@ def rendered_mode(isvc: Mapping[str, Any]) -> str | None:
 
 
 def apply_router(
-    api: KubeApi, isvc: Mapping[str, Any], spec: InferenceServiceSpec, default_image: str
+    api: KubeApi,
+    isvc: Mapping[str, Any],
+    spec: InferenceServiceSpec,
+    default_image: str,
+    *,
+    fixed_uid: bool = True,
 ) -> RouterOutcome:
     """Make the router's children what the spec says; KubeApiError for API failures other
-    than a missing InferencePool API (that becomes a Degraded problem)."""
+    than a missing InferencePool API (that becomes a Degraded problem). `default_image` and
+    `fixed_uid` as for the runtime's Deployment (render.render_deployment)."""
     meta = isvc["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     before = rendered_mode(isvc)
@@ -73,7 +79,7 @@ def apply_router(
         apply_child(api, ROLE_BINDINGS, render_router_role_binding(isvc))
         apply_child(api, SERVICES, render_replicas_service(isvc))
         out.deployment = apply_child(
-            api, DEPLOYMENTS, render_router_deployment(isvc, default_image)
+            api, DEPLOYMENTS, render_router_deployment(isvc, default_image, fixed_uid=fixed_uid)
         )
         selector = ",".join(
             f"{k}={v}" for k, v in out.deployment["spec"]["selector"]["matchLabels"].items()

@@ -128,6 +128,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(env KVFLEET_CLUSTER_DOMAIN; default {DEFAULT_CLUSTER_DOMAIN})",
     )
     p.add_argument(
+        "--fixed-uid",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("KVFLEET_FIXED_UID", "true").lower() not in ("false", "0", "no"),
+        help="run the pods it renders as the images' user, uid and gid "
+        f"{contract.KVFLEET_UID}; --no-fixed-uid sets neither, for platforms that assign "
+        "them, such as OpenShift (env KVFLEET_FIXED_UID; default true)",
+    )
+    p.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         type=str.upper,
@@ -205,6 +213,7 @@ async def _serve(args: argparse.Namespace, timing: LeaseTiming) -> None:
             max_gpus_per_node=args.max_gpus_per_node,
             default_runtime_image=args.default_runtime_image,
             cluster_domain=args.cluster_domain,
+            fixed_uid=args.fixed_uid,
         )
     )
     clusterwide = args.all_namespaces or not args.namespace

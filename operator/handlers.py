@@ -62,6 +62,7 @@ class OperatorConfig:
     max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
     default_runtime_image: str = DEFAULT_IMAGE  # for specs that name no runtime image
     cluster_domain: str = DEFAULT_CLUSTER_DOMAIN  # status.url's DNS domain
+    fixed_uid: bool = True  # pods run as the image's user; False: the platform assigns one
     api: KubeApi | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict, repr=False)
@@ -114,7 +115,7 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         deployment = apply_child(
             api,
             DEPLOYMENTS,
-            render_deployment(isvc, config.default_runtime_image),
+            render_deployment(isvc, config.default_runtime_image, fixed_uid=config.fixed_uid),
             replicas_by_autoscaler=spec.autoscaling.enabled,
         )
         apply_child(api, SERVICES, render_service(isvc))
@@ -122,9 +123,11 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         if pdb is not None:
             apply_child(api, PDBS, pdb)
         elif api.get(PDBS, namespace, name) is not None:
-            api.delete(PDBS, namespace, name)  # replicas went down to one
+            api.delete(PDBS, namespace, name)  # replicas went down to one, or it was switched off
         pods = api.list(PODS, namespace, selector_string(name))
-        router = apply_router(api, isvc, spec, config.default_runtime_image)
+        router = apply_router(
+            api, isvc, spec, config.default_runtime_image, fixed_uid=config.fixed_uid
+        )
     except KubeApiError as exc:
         metrics.RECONCILE_ERRORS.labels(reason=f"HTTP{exc.status}").inc()
         if exc.retryable:

@@ -14,6 +14,14 @@ from kvfleet.operator.model_cache import ModelCachePlan, plan_model_cache
 from kvfleet.operator.model_uri import parse_model_uri
 from kvfleet.operator.quantity import parse_bytes
 from kvfleet.operator.render_lora import lora_args, lora_volumes, runtime_hub_env
+from kvfleet.operator.render_pod_policy import (
+    container_security_context,
+    deployment_strategy,
+    disruption_budget,
+    pod_security_context,
+    progress_deadline_seconds,
+    runtime_probes,
+)
 from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, SecretKeyRef, parse_spec
 from kvfleet.operator.spec_check import gpus_per_replica
 
@@ -26,17 +34,11 @@ COMPONENT = "inference"
 CONTAINER_NAME = "runtime"
 DOWNLOAD_CONTAINER_NAME = "model-download"
 SERVICE_PORT = 80
-GPU_RESOURCE = "nvidia.com/gpu"
 # The Deployment carries the InferenceService generation it was rendered from, so the status
 # logic can tell a Deployment that reflects the current spec from a stale one.
 GENERATION_ANNOTATION = "kvfleet.dev/generation"
 PRESTOP_SLEEP_SECONDS = 5  # lets endpoints controllers drop the pod before SIGTERM
 GRACE_MARGIN_SECONDS = 15  # beyond preStop + drain, for the process to exit
-STARTUP_PROBE_PERIOD = 10
-# 30 minutes: a large model loads slowly from network storage (pvc://) or on CPU. hf://
-# downloads happen before, in the init container, so this window never covers them.
-STARTUP_PROBE_FAILURES = 180
-PROGRESS_MARGIN_SECONDS = 600
 CACHE_DIR = "/var/cache/kvfleet"  # compiled kernels, converted models; HF_HOME below it
 HF_HOME = f"{CACHE_DIR}/huggingface"
 # The cluster's DNS domain (the kubelet's --cluster-domain): Service names resolve under it.
@@ -132,6 +134,8 @@ def runtime_args(spec: InferenceServiceSpec, name: str) -> list[str]:
     ]  # fmt: skip
     if rt.tensor_parallel_size > 1:  # only then: templates of one-rank services stay as they were
         args += ["--tensor-parallel-size", str(rt.tensor_parallel_size)]
+    if spec.model.quantization is not None:  # likewise: unset, the checkpoint decides
+        args += ["--quantization", spec.model.quantization]
     return args + lora_args(spec) + list(rt.extra_args)
 
 
@@ -183,18 +187,9 @@ def _resources(
         requests["ephemeral-storage"] = storage
     if gpus and gpus_per_replica(spec) > 0:
         # Extended resources must have requests == limits. One GPU per tensor-parallel rank.
-        requests[GPU_RESOURCE] = str(gpus_per_replica(spec))
-        limits[GPU_RESOURCE] = str(gpus_per_replica(spec))
+        requests[spec.resources.gpu_resource_name] = str(gpus_per_replica(spec))
+        limits[spec.resources.gpu_resource_name] = str(gpus_per_replica(spec))
     return {"requests": requests, "limits": limits}
-
-
-def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": contract.HEALTH_PATH, "port": contract.RUNTIME_PORT},
-        "periodSeconds": period,
-        "timeoutSeconds": timeout,
-        "failureThreshold": failures,
-    }
 
 
 def _volumes(
@@ -245,10 +240,14 @@ def _volumes(
 
 
 def pod_template(
-    spec: InferenceServiceSpec, name: str, default_image: str = DEFAULT_IMAGE
+    spec: InferenceServiceSpec,
+    name: str,
+    default_image: str = DEFAULT_IMAGE,
+    *,
+    fixed_uid: bool = True,
 ) -> dict[str, Any]:
     """The pod template: the runtime container (after the model download for hf:// models),
-    probes, volumes, scheduling and security."""
+    probes, volumes, scheduling and security (`fixed_uid`: render_pod_policy.py)."""
     plan = plan_model_cache(spec.model, parse_model_uri(spec.model.uri))
     volumes, mounts = _volumes(spec, plan)
     annotations = {
@@ -270,12 +269,10 @@ def pod_template(
         "ports": [{"name": "http", "containerPort": contract.RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(spec, plan),
         "resources": _resources(spec, plan),
-        "readinessProbe": _probe(period=5, failures=3),
-        "livenessProbe": _probe(period=10, failures=3),
-        "startupProbe": _probe(period=STARTUP_PROBE_PERIOD, failures=STARTUP_PROBE_FAILURES),
+        **runtime_probes(spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "volumeMounts": mounts,
-        "securityContext": _container_security(),
+        "securityContext": container_security_context(),
         # A refusal at start (a tensorParallelSize the model's heads cannot take, a bad model)
         # becomes the termination message, which the Degraded condition quotes.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -285,16 +282,7 @@ def pod_template(
         "volumes": volumes,
         "terminationGracePeriodSeconds": grace,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            # The image's own user: its files (the cache directory) belong to it.
-            "runAsUser": contract.KVFLEET_UID,
-            "runAsGroup": contract.KVFLEET_UID,
-            "fsGroup": contract.KVFLEET_UID,
-            # A shared model cache holds many large files: no recursive chown at every start.
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(spec, fixed_uid=fixed_uid),
     }
     if plan.download:
         pod_spec["initContainers"] = [
@@ -308,7 +296,7 @@ def pod_template(
                 # The memory of the runtime is plenty for a download; no GPU to hold idle.
                 "resources": _resources(spec, plan, gpus=False),
                 "volumeMounts": [m for m in mounts if m["name"] in ("tmp", "cache", "hf-cache")],
-                "securityContext": _container_security(),
+                "securityContext": container_security_context(),
                 # The download's own error (repo not found, token missing) becomes the
                 # container's termination message, which the status reports.
                 "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -335,23 +323,6 @@ def _scheduling_and_identity(spec: InferenceServiceSpec, pod_spec: dict[str, Any
     pod_spec.update({k: v for k, v in optional.items() if v})
 
 
-def _container_security() -> dict[str, Any]:
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
-
-
-def progress_deadline_seconds(spec: InferenceServiceSpec) -> int:
-    """How long a rollout may go without progress: the startup window, a margin, and for a
-    model downloaded by the pods, the download at a pessimistic rate."""
-    plan = plan_model_cache(spec.model, parse_model_uri(spec.model.uri))
-    startup = STARTUP_PROBE_PERIOD * STARTUP_PROBE_FAILURES
-    return startup + PROGRESS_MARGIN_SECONDS + plan.download_seconds
-
-
 def initial_replicas(spec: InferenceServiceSpec) -> int:
     """Replicas for a new Deployment: the autoscaler's floor when it owns them, else spec.replicas.
 
@@ -363,10 +334,11 @@ def initial_replicas(spec: InferenceServiceSpec) -> int:
 
 
 def render_deployment(
-    isvc: Mapping[str, Any], default_image: str = DEFAULT_IMAGE
+    isvc: Mapping[str, Any], default_image: str = DEFAULT_IMAGE, *, fixed_uid: bool = True
 ) -> dict[str, Any]:
     """The Deployment for an InferenceService object (metadata with uid, generation; spec);
-    `default_image` runs when the spec names no runtime image."""
+    `default_image` runs when the spec names no runtime image; `fixed_uid` False leaves the
+    pods' UID and GID to the platform."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     spec = parse_spec(isvc.get("spec") or {})
@@ -383,25 +355,20 @@ def render_deployment(
         "spec": {
             "replicas": initial_replicas(spec),
             "selector": {"matchLabels": selector_labels(name)},
-            # Surge, never drop: a replica keeps serving until its successor is ready.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            # By default surge, never drop: a replica serves until its successor is ready.
+            "strategy": deployment_strategy(spec),
             "revisionHistoryLimit": 5,
             "progressDeadlineSeconds": progress_deadline_seconds(spec),
-            "template": pod_template(spec, name, default_image),
+            "template": pod_template(spec, name, default_image, fixed_uid=fixed_uid),
         },
     }
 
 
 def render_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A PodDisruptionBudget that lets node drains evict one replica at a time, for an
-    InferenceService that runs more than one; None for one replica (a budget then could only
-    block drains or protect nothing)."""
-    spec = parse_spec(isvc.get("spec") or {})
-    most = spec.autoscaling.max_replicas if spec.autoscaling.enabled else spec.replicas
-    if most <= 1:
+    """The PodDisruptionBudget over the runtime pods (by default one eviction at a time, for
+    an InferenceService that may run more than one replica); None when it has none."""
+    bound = disruption_budget(parse_spec(isvc.get("spec") or {}))
+    if bound is None:
         return None
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
@@ -414,7 +381,7 @@ def render_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
             "labels": common_labels(name),
             "ownerReferences": [owner_reference(isvc)],
         },
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+        "spec": {**bound, "selector": {"matchLabels": selector_labels(name)}},
     }
 
 

@@ -21,12 +21,12 @@ from typing import Any
 
 from kvfleet.operator.render import (
     MANAGED_BY,
-    _container_security,
     owner_reference,
     router_selector_labels,
     selector_labels,
     selector_string,
 )
+from kvfleet.operator.render_pod_policy import container_security_context, pod_security_context
 from kvfleet.operator.spec import DEFAULT_IMAGE, InferenceServiceSpec, parse_spec
 
 from kvfleet import contract
@@ -92,10 +92,11 @@ def wakes_from_zero(spec: InferenceServiceSpec) -> bool:
 
 
 def render_router_deployment(
-    isvc: Mapping[str, Any], default_image: str = DEFAULT_IMAGE
+    isvc: Mapping[str, Any], default_image: str = DEFAULT_IMAGE, *, fixed_uid: bool = True
 ) -> dict[str, Any]:
-    """The router's Deployment: same image, uid and restricted security as the runtime pods,
-    small requests, ready when /health says a replica is healthy behind it."""
+    """The router's Deployment: same image, uid and restricted security as the runtime pods
+    (spec.securityContext included), small requests, ready when /health says a replica is
+    healthy behind it."""
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     spec = parse_spec(isvc.get("spec") or {})
@@ -130,7 +131,7 @@ def render_router_deployment(
         },
         "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SECONDS}}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": _container_security(),
+        "securityContext": container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(name),
@@ -140,12 +141,8 @@ def render_router_deployment(
         "volumes": [{"name": "tmp", "emptyDir": {}}],
         "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": contract.KVFLEET_UID,
-            "runAsGroup": contract.KVFLEET_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        # Its only volume is /tmp: no fsGroup to give.
+        "securityContext": pod_security_context(spec, fixed_uid=fixed_uid, volumes=False),
     }
     optional = {
         "nodeSelector": dict(spec.node_selector),

@@ -15,6 +15,15 @@ from typing import Any
 
 from kvfleet.operator.crd_defaults import apply_defaults, section_schema, spec_schema
 from kvfleet.operator.lora_spec import LoraSpec, parse_loras
+from kvfleet.operator.pod_policy_spec import (
+    DisruptionBudgetSpec,
+    ProbesSpec,
+    RolloutSpec,
+    parse_disruption_budget,
+    parse_probes,
+    parse_rollout,
+    parse_security_context,
+)
 from kvfleet.operator.spec_fields import (
     SpecError,
     defaulted_at,
@@ -56,6 +65,7 @@ class ModelSpec:
     hf_token_secret_ref: SecretKeyRef | None
     size_hint: str | None  # a byte quantity; None: model_cache.DEFAULT_SIZE_HINT
     cache: ModelCacheSpec | None  # None: an emptyDir per pod
+    quantization: str | None  # --quantization; None: the checkpoint decides
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -81,9 +91,10 @@ class RuntimeSpec:
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class ResourcesSpec:
-    """Per-replica resources; `gpus` becomes the `nvidia.com/gpu` request and limit."""
+    """Per-replica resources; `gpus` becomes the request and limit of `gpu_resource_name`."""
 
     gpus: int
+    gpu_resource_name: str  # nvidia.com/gpu, a MIG slice, amd.com/gpu
     cpu: str
     memory: str
     ephemeral_storage: str | None  # None: derived for hf:// caches, else no request
@@ -243,6 +254,10 @@ class InferenceServiceSpec:
     pod_labels: Mapping[str, str]
     router: RouterSpec
     loras: tuple[LoraSpec, ...]  # lora_spec.py; loaded into the pods by lora_sync.py
+    rollout: RolloutSpec  # pod_policy_spec.py, as are the three below
+    probes: ProbesSpec
+    security_context: Mapping[str, Any]  # merged over the operator's own
+    disruption_budget: DisruptionBudgetSpec
 
     @property
     def lora_enabled(self) -> bool:
@@ -360,6 +375,7 @@ def parse_spec(
         hf_token_secret_ref=_secret_ref(model_raw, "hfTokenSecretRef", mp),
         size_hint=quantity_at(model_raw, "sizeHint", mp),
         cache=_model_cache(model_raw, mp),
+        quantization=value_at(model_raw, "quantization", str, mp),
     )
 
     rt = object_at(raw, "runtime", p)
@@ -386,6 +402,7 @@ def parse_spec(
     resp = f"{p}.resources"
     resources = ResourcesSpec(
         gpus=defaulted_at(res, "gpus", int, resp),
+        gpu_resource_name=defaulted_at(res, "gpuResourceName", str, resp),
         cpu=defaulted_quantity_at(res, "cpu", resp),
         memory=defaulted_quantity_at(res, "memory", resp),
         ephemeral_storage=quantity_at(res, "ephemeralStorage", resp),
@@ -424,4 +441,8 @@ def parse_spec(
         volume_mounts=lists["volumeMounts"],
         router=_router(object_at(raw, "router", p)),
         loras=parse_loras(raw.get("loras"), f"{p}.loras"),
+        rollout=parse_rollout(object_at(raw, "rollout", p)),
+        probes=parse_probes(object_at(raw, "probes", p)),
+        security_context=parse_security_context(object_at(raw, "securityContext", p)),
+        disruption_budget=parse_disruption_budget(object_at(raw, "disruptionBudget", p)),
     )

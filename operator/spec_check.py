@@ -20,6 +20,10 @@ from kvfleet.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 DEFAULT_MAX_GPUS_PER_NODE = 8
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 BLOCK_SIZES = (8, 16, 32)
+# `kvfleet serve --quantization`'s choices (vLLM's names, and none: load dequantized).
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "gguf", "none")
+# The GPU operator's mixed MIG strategy names each slice profile nvidia.com/mig-<profile>.
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 # The pod's own volumes and mount paths (render.py): a user volume must not shadow them.
 RESERVED_VOLUMES = frozenset({"dshm", "tmp", "cache", "hf-cache", "model"})
 RESERVED_VOLUME = re.compile(rf"^{VOLUME_PREFIX}[0-9a-f]{{12}}$")  # adapters' claims
@@ -98,6 +102,25 @@ def check_spec(
                 f"spec.runtime.tensorParallelSize {rt.tensor_parallel_size}) but no node type "
                 f"offers more than {max_gpus_per_node} GPUs per node; lower it to at most "
                 f"{max_gpus_per_node}",
+            )
+        )
+    if res.gpu_resource_name.startswith(MIG_RESOURCE_PREFIX) and rt.tensor_parallel_size > 1:
+        # A CUDA process sees one MIG slice, and NCCL joins no slices: one rank per pod.
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.resources.gpuResourceName {res.gpu_resource_name} is a MIG slice, which "
+                f"serves one rank: spec.runtime.tensorParallelSize must be 1, got "
+                f"{rt.tensor_parallel_size}",
+            )
+        )
+    quantization = spec.model.quantization
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        problems.append(
+            SpecProblem(
+                "InvalidSpec",
+                f"spec.model.quantization {quantization!r} is not one of "
+                f"{', '.join(QUANTIZATION_METHODS)}",
             )
         )
     # Whether tensorParallelSize fits the model's attention heads is the runtime's to say: the

@@ -278,6 +278,7 @@ def test_chart_app_version_is_the_package_version(chart: helm.Chart) -> None:
         {"metrics": {"serviceMonitor": {"enabled": "yes"}}},
         {"image": {"repository": "x", "pullPolicy": "Sometimes"}},
         {"replica": 2},
+        {"podSecurity": {"fixedUid": "no"}},
     ],
     ids=lambda v: json.dumps(v),
 )
@@ -339,3 +340,22 @@ def test_operator_cli_accepts_the_rendered_arguments(
     assert args.metrics_port == values.get("metrics", {}).get("port", 8080)
     assert args.namespace == values.get("watchNamespaces", [])
     assert args.cluster_domain == values.get("clusterDomain", "cluster.local")
+    assert args.fixed_uid is values.get("podSecurity", {}).get("fixedUid", True)
+
+
+def test_without_a_fixed_uid_neither_the_operator_nor_its_pods_set_one(
+    chart: helm.Chart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # OpenShift's restricted-v2 SCC assigns each namespace's uid range and refuses others.
+    from kvfleet.runtime import cli
+
+    objects = render(chart, {"podSecurity": {"fixedUid": False}})
+    (deployment,) = by_kind(objects, "Deployment")
+    security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert security == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    container = operator_container(objects)
+    for var in container["env"]:
+        if "value" in var:
+            monkeypatch.setenv(var["name"], var["value"])
+    assert cli.build_parser().parse_args(container["args"]).fixed_uid is False

@@ -5,27 +5,13 @@ refused by the CRD's rule: tests/devcluster/test_emulator_custom_resources.py.)"
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
+from isvc_objects import K8S_VERSION, isvc
 from kubernetes_validate import validate
 from kvfleet.operator.render import render_deployment, render_pdb
 from kvfleet.operator.spec_check import check_spec
-
-BASE: dict[str, Any] = {
-    "apiVersion": "kvfleet.dev/v1alpha1",
-    "kind": "InferenceService",
-    "metadata": {"name": "chat", "namespace": "ml", "uid": "uid-1", "generation": 1},
-    "spec": {"model": {"uri": "bundled"}},
-}
-K8S_VERSION = "1.30"
-
-
-def isvc(**spec: Any) -> dict[str, Any]:
-    obj = copy.deepcopy(BASE)
-    obj["spec"].update(spec)
-    return obj
 
 
 def pod(obj: dict[str, Any]) -> dict[str, Any]:

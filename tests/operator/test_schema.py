@@ -78,6 +78,17 @@ def test_full_sample_uses_every_spec_field():
         (lambda s: s["model"].update(uri="hf://o/m", cache={"readOnly": True}), "spec.model.cache.pvc: Required value"),
         (lambda s: s["model"].update(uri="hf://o/m", cache={"pvc": "Models_1"}), "spec.model.cache.pvc in body should match"),
         (lambda s: s["model"].update(uri="hf://o/m", cache={"pvc": "c", "size": 1}), 'unknown field "spec.model.cache.size"'),
+        (lambda s: s["model"].update(quantization="int4"), 'spec.model.quantization: Unsupported value: "int4"'),
+        (lambda s: s.update(rollout={"maxSurge": 0, "maxUnavailable": "0%"}), "cannot both be 0"),
+        (lambda s: s.update(rollout={"maxUnavailable": -1}), "maxSurge and maxUnavailable must be >= 0"),
+        (lambda s: s.update(rollout={"maxSurge": "150%"}), "spec.rollout.maxSurge in body should match"),
+        (lambda s: s.update(rollout={"type": "BlueGreen"}), 'spec.rollout.type: Unsupported value: "BlueGreen"'),
+        (lambda s: s.update(probes={"startup": {"failureThreshold": 0}}), "should be greater than or equal to 1"),
+        (lambda s: s.update(securityContext={"runAsUser": 0}), "runAsUser 0 (root) needs runAsNonRoot false"),
+        (lambda s: s.update(securityContext={"privileged": True}), 'unknown field "spec.securityContext.privileged"'),
+        (lambda s: s.update(resources={"gpuResourceName": "gpu"}), "spec.resources.gpuResourceName in body should match"),
+        (lambda s: s.update(resources={"gpuResourceName": "nvidia.com/mig-1g.10gb"}, runtime={"tensorParallelSize": 2}), "MIG slice"),
+        (lambda s: s.update(disruptionBudget={"maxUnavailable": 1, "minAvailable": 1}), "not both"),
     ],
     ids=[
         "negative-replicas", "unknown-scheme", "hf-without-org", "unknown-field", "block-size",
@@ -85,6 +96,9 @@ def test_full_sample_uses_every_spec_field():
         "idle-shorter-than-poll", "token-without-hf",
         "no-model", "size-hint-without-hf", "cache-without-hf", "size-hint-word",
         "size-hint-unit", "cache-without-pvc", "cache-pvc-name", "cache-unknown-field",
+        "quantization", "rollout-zero-zero", "rollout-negative", "rollout-percent", "rollout-type",
+        "probe-threshold", "root-uid", "privileged", "gpu-resource-name", "mig-tensor-parallel",
+        "budget-both",
     ],
 )  # fmt: skip
 def test_invalid_specs_are_rejected(mutate, expect):
@@ -110,9 +124,12 @@ def test_every_field_has_a_description():
     assert missing == []
 
 
+def schema_defaults_of(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: v["default"] for k, v in node["properties"].items() if "default" in v}
+
+
 def schema_defaults(section: str) -> dict[str, Any]:
-    props = SCHEMA["properties"]["spec"]["properties"][section]["properties"]
-    return {k: v["default"] for k, v in props.items() if "default" in v}
+    return schema_defaults_of(SCHEMA["properties"]["spec"]["properties"][section])
 
 
 def test_model_cache_and_size_hint_have_no_default():
@@ -122,6 +139,23 @@ def test_model_cache_and_size_hint_have_no_default():
     # sizeHint has no schema default: a size on pvc://, file:// or bundled models would mean
     # nothing (and the CEL rule rejects it there); the operator assumes one for hf://.
     assert "default" not in model["sizeHint"]
+
+
+def test_pod_policy_defaults_keep_what_the_pods_always_had():
+    assert schema_defaults("rollout") == {
+        "type": "RollingUpdate",
+        "maxSurge": 1,
+        "maxUnavailable": 0,
+    }
+    probes = SCHEMA["properties"]["spec"]["properties"]["probes"]["properties"]
+    assert {name: schema_defaults_of(probe) for name, probe in probes.items()} == {
+        "startup": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},
+        "readiness": {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "liveness": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+    }
+    assert schema_defaults("resources")["gpuResourceName"] == "nvidia.com/gpu"
+    assert schema_defaults("disruptionBudget") == {"enabled": True}
+    assert schema_defaults("securityContext") == {}  # the operator's own, unless overridden
 
 
 def test_autoscaling_defaults_as_designed():
