@@ -148,14 +148,15 @@ def download_args(spec: InferenceServiceSpec) -> list[str]:
     return args
 
 
-def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+def secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    """An environment variable read from a key of a Secret."""
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
 def _env(spec: InferenceServiceSpec, plan: ModelCachePlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": HF_HOME}]
     if spec.api_key_secret_ref is not None:
-        env.append(_secret_env(contract.API_KEY_ENV, spec.api_key_secret_ref))
+        env.append(secret_env(contract.API_KEY_ENV, spec.api_key_secret_ref))
     env += runtime_hub_env(spec, plan)  # offline, unless LoRA adapters come from the Hub
     # User entries come last so that they can override ours (Kubernetes keeps the last one).
     env.extend(dict(e) for e in spec.env)
@@ -169,7 +170,7 @@ def _download_env(spec: InferenceServiceSpec, plan: ModelCachePlan) -> list[dict
         limit = str(parse_bytes(plan.ephemeral_storage))
         env.append({"name": contract.CACHE_LIMIT_ENV, "value": limit})
     if spec.model.hf_token_secret_ref is not None:
-        env.append(_secret_env("HF_TOKEN", spec.model.hf_token_secret_ref))
+        env.append(secret_env("HF_TOKEN", spec.model.hf_token_secret_ref))
     # The user's variables (HF_ENDPOINT, proxies, HF_HUB_ENABLE_HF_TRANSFER...) reach the
     # download too, and may override ours.
     env.extend(dict(e) for e in spec.env)

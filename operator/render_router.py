@@ -23,6 +23,7 @@ from kvfleet.operator.render import (
     MANAGED_BY,
     owner_reference,
     router_selector_labels,
+    secret_env,
     selector_labels,
     selector_string,
 )
@@ -133,6 +134,10 @@ def render_router_deployment(
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": container_security_context(),
     }
+    if spec.api_key_secret_ref is not None:
+        # The replicas' key: the router refuses a client without it before routing, holding
+        # or waking anything (runtime/router/api_key.py).
+        container["env"] = [secret_env(contract.API_KEY_ENV, spec.api_key_secret_ref)]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(name),
         # The router lists pods with its service account's token.

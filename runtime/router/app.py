@@ -1,5 +1,7 @@
 """The router's HTTP front: OpenAI's generation endpoints relayed to a replica each, picked by
-prompt prefix and load (policy.py), plus /v1/models, /health and the router's /metrics.
+prompt prefix and load (policy.py), plus /v1/models, /tokenize and /detokenize (relayed to any
+replica), /health and the router's /metrics. With an API key, every request but /health and
+/metrics must carry it (api_key.py) before it is routed, held or wakes a Deployment.
 
 A request goes to one replica; if that one refuses the connection or answers 503 before
 anything reached the client, it goes to the next pick (up to `max_attempts` replicas). With
@@ -19,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 from kvfleet.runtime.router import activator as act
+from kvfleet.runtime.router.api_key import api_key_middleware
 from kvfleet.runtime.router.discovery import PodDiscovery
 from kvfleet.runtime.router.forward import UpstreamFailed, forward
 from kvfleet.runtime.router.metrics import RouterMetrics
@@ -66,12 +69,17 @@ class Router:
         )
 
     def app(self) -> web.Application:
+        middlewares = [self._errors]  # first: it answers the key check's 401 too
+        if self.settings.api_key:
+            middlewares.append(api_key_middleware(self.settings.api_key))
         app = web.Application(
-            middlewares=[self._errors], client_max_size=self.settings.max_body_bytes + 1
+            middlewares=middlewares, client_max_size=self.settings.max_body_bytes + 1
         )
         app.router.add_get(contract.HEALTH_PATH, self.health)
         app.router.add_get(contract.METRICS_PATH, self.metrics_page)
         app.router.add_get(contract.MODELS_PATH, self.models)
+        app.router.add_post("/tokenize", self.tokenizer)
+        app.router.add_post("/detokenize", self.tokenizer)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.on_startup.append(self._start)
@@ -146,6 +154,12 @@ class Router:
     async def models(self, request: web.Request) -> web.StreamResponse:
         return await self._route(request, None, None, counted=False)
 
+    async def tokenizer(self, request: web.Request) -> web.StreamResponse:
+        """/tokenize and /detokenize: every replica has the model's tokenizer, so any one
+        answers (one that has the LoRA adapter `model` names, when it names one)."""
+        body, _, model = await self._read_request(request)
+        return await self._route(request, body, None, counted=False, model=model)
+
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -154,17 +168,21 @@ class Router:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body, parsed, model = await self._read_request(request)
+        block = self.pool.block_size
+        key = prefix_key(parsed, chat, self.settings.prefix_blocks * block, block)
+        return await self._route(request, body, key, model=model)
+
+    async def _read_request(self, request: web.Request) -> tuple[bytes, object, str | None]:
+        """The body as sent (relayed unchanged), its JSON (None if it is not JSON: the replica
+        answers that with the precise 400) and the `model` it names."""
         body = await self._read_body(request)
         try:
             parsed = json.loads(body)
         except ValueError:
-            parsed = None  # the replica answers it with the precise 400
-        block = self.pool.block_size
-        key = prefix_key(parsed, chat, self.settings.prefix_blocks * block, block)
+            parsed = None
         model = parsed.get("model") if isinstance(parsed, dict) else None
-        return await self._route(
-            request, body, key, model=model if isinstance(model, str) else None
-        )
+        return body, parsed, model if isinstance(model, str) else None
 
     async def _route(
         self,

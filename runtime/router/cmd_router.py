@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from urllib.parse import urlsplit
 
@@ -159,6 +160,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' of every client, as kvfleet serve does "
+        f"(default: ${contract.API_KEY_ENV}, the replicas' own variable; an empty key is an "
+        "error); /health and /metrics stay open. A request without it is refused before it "
+        "is routed or wakes a Deployment",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -245,7 +254,9 @@ def activator_from_args(args: argparse.Namespace) -> object | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
-    """(upstream URLs, RouterSettings) from the flags; ValueError names a bad one."""
+    """(upstream URLs, RouterSettings) from the flags and $KVFLEET_API_KEY; ValueError names a
+    bad one."""
+    from kvfleet.runtime.router.api_key import api_key_from
     from kvfleet.runtime.router.policy import PolicySettings
     from kvfleet.runtime.router.settings import RouterSettings
 
@@ -281,6 +292,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[list[str], object]:
         max_attempts=args.max_attempts,
         max_body_bytes=args.max_body_bytes,
         seed=args.seed,
+        api_key=api_key_from(args.api_key, os.environ),
     )
     return urls, settings
 

@@ -24,3 +24,4 @@ class RouterSettings:
     max_attempts: int = 3
     max_body_bytes: int = 1024 * 1024  # kvfleet serve's default limit: larger ones it refuses
     seed: int | None = None  # for the random policy (benchmarks)
+    api_key: str | None = None  # required of every client, as the replicas do (api_key.py)

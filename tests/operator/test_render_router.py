@@ -212,3 +212,16 @@ def test_with_scale_to_zero_the_router_wakes_the_runtime_deployment_and_may_scal
         ]
         assert "--activate-deployment" not in c["args"]
         assert len(render_router_role(isvc(autoscaling=other))["rules"]) == 1
+
+
+def test_the_router_requires_the_replicas_api_key_from_the_same_secret():
+    keyed = isvc(apiKeySecretRef={"name": "chat-key"})
+    (c,) = render_router_deployment(keyed)["spec"]["template"]["spec"]["containers"]
+    (runtime,) = render_deployment(keyed)["spec"]["template"]["spec"]["containers"]
+    key_env = next(e for e in runtime["env"] if e["name"] == contract.API_KEY_ENV)
+    assert c["env"] == [key_env]
+    assert key_env["valueFrom"]["secretKeyRef"] == {"name": "chat-key", "key": "api-key"}
+    validate(render_router_deployment(keyed), K8S_VERSION, strict=True)
+    # The router reads it the way kvfleet serve does: $KVFLEET_API_KEY.
+    (open_router,) = render_router_deployment(isvc())["spec"]["template"]["spec"]["containers"]
+    assert "env" not in open_router

@@ -1,7 +1,7 @@
 """A stand-in for `kvfleet serve` in the router's tests: an aiohttp app on 127.0.0.1 that
-answers /health, /metrics (the load and the LoRA adapters it is told to report), /v1/models
-and both generation endpoints, naming itself in every answer, and that can be told to break
-off a stream."""
+answers /health, /metrics (the load and the LoRA adapters it is told to report), /v1/models,
+/tokenize, /detokenize and both generation endpoints, naming itself in every answer, and that
+can be told to break off a stream."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ class FakeReplica:
         app.router.add_get(contract.MODELS_PATH, self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/tokenize", self._tokenizer)
+        app.router.add_post("/detokenize", self._tokenizer)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -65,6 +67,13 @@ class FakeReplica:
             for name in sorted(self.adapters)
         ]
         return web.Response(text="\n".join(lines) + "\n")
+
+    async def _tokenizer(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if request.path == "/tokenize":
+            return web.json_response({"served_by": self.name, "count": 2, "tokens": [7, 9]})
+        return web.json_response({"served_by": self.name, "prompt": "hi"})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "owner": self.name}]})
