@@ -32,6 +32,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-t
         "huggingface-hub>=1.0" \
         "gguf>=0.10" \
         "accelerate>=1.0" \
+        "compressed-tensors>=0.20,<0.21" \
         "aiohttp>=3.10,<4" \
         "prometheus-client>=0.20" \
         "pyzmq>=25" \

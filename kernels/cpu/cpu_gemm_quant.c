@@ -163,10 +163,8 @@ static void quantize_run(const float *x, int16_t *q, float *scale, float *sum) {
         const int64_t row_bytes = runs * (BYTES_PER_RUN);                                     \
         vec acc[LANES];                                                                        \
         _Pragma("GCC unroll 16") for (int t = 0; t < LANES; t++) acc[t] = vzero();             \
-        for (int64_t r = 0, g = 0, left = runs_per_group; r < runs; r++) {                     \
-            /* (the group by counting, not by a division per run) */                      \
-            if (left == 0) g++, left = runs_per_group;                                         \
-            left--;                                                                            \
+        for (int64_t r = 0; r < runs; r++) {                                                   \
+            const int64_t g = r / runs_per_group;                                              \
             _Pragma("GCC unroll 16") for (int j = 0; j < NR; j++) {                            \
                 const wvec wv = words_##FMT(w->q + cols[j] * row_bytes + r * (BYTES_PER_RUN)); \
                 const float ws = w->scales[cols[j] * groups + g];                              \

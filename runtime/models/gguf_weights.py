@@ -64,10 +64,6 @@ class GGUFWeights:
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
         self._permuted = architecture == "llama"
 
-    def has(self, module: str) -> bool:
-        """Whether the file holds module's weight."""
-        return gguf_name(module) in self._tensors
-
     def projection(self, module: str, out_f: int, in_f: int) -> QuantizedWeight | torch.Tensor:
         """Module's [out_f, in_f] weight: quantized where its type is one of KEPT_TYPES, else
         dequantized to float32."""

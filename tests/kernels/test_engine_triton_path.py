@@ -79,3 +79,22 @@ def test_triton_path_runs_lora_adapters_mixed_with_the_base_model(request, tiny_
         return [list(o.outputs[0].token_ids) for o in outs]
 
     assert tokens("triton") == tokens("torch")
+
+
+def test_triton_path_runs_a_quantized_checkpoint(request, tiny_model, tmp_path):
+    """CUDA's quantized path (Triton's GEMM dequantizing 4-bit weights in registers) gives the
+    tokens of the same weights dequantized into a plain model."""
+    from pathlib import Path
+
+    from kvfleet.runtime import LLM, SamplingParams
+    from quantized_checkpoints import write_quantized
+
+    awq, dequantized = write_quantized(Path(tiny_model), tmp_path, "awq")
+
+    def tokens(model: Path, backend: str) -> list[list[int]]:
+        llm = LLM(model=str(model), dtype="float32", max_model_len=256,
+                  kernel_policy=KernelPolicy(backend=backend))  # fmt: skip
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+
+    assert tokens(awq, "triton") == tokens(dequantized, "torch")
