@@ -56,6 +56,12 @@ BREAKS_RULE = {
     "volume names lora- and 12 hex digits are the operator's own (the claims of spec.loras)": {"volumes": [{"name": "lora-0123456789ab", "emptyDir": {}}]},
     # The object's name ("chat") is the served name while spec.model.servedName is unset.
     "a spec.loras name must differ from the model's served name (spec.model.servedName, else metadata.name)": {"loras": [{"name": "chat", "source": "hf://org/chat-lora"}]},
+    "a MIG slice (resources.gpuResourceName nvidia.com/mig-...) serves one rank; runtime.tensorParallelSize must be 1": {"resources": {"gpus": 2, "gpuResourceName": "nvidia.com/mig-1g.10gb"}, "runtime": {"tensorParallelSize": 2}},
+    "maxSurge and maxUnavailable must be >= 0": {"rollout": {"maxSurge": -1}},
+    "maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)": {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}},
+    "runAsUser 0 (root) needs runAsNonRoot false": {"securityContext": {"runAsUser": 0, "runAsNonRoot": True}},
+    "set maxUnavailable or minAvailable, not both": {"disruptionBudget": {"maxUnavailable": 1, "minAvailable": 1}},
+    "maxUnavailable and minAvailable must be >= 0": {"disruptionBudget": {"minAvailable": -1}},
 }  # fmt: skip
 # The one rule on metadata.name (it names the Service): broken by a name, not a spec.
 NAME_RULE = next(m for m in crd_rules() if m.startswith("metadata.name must be a DNS-1035"))
