@@ -241,6 +241,7 @@ def _weights_on_huge_pages(engine: Any) -> bool | None:
         return None
     weight = _projection_weight(engine)
     weight = getattr(weight, "tiles", weight)  # a PackedLinear: the tiles, if kvfleet's GEMM runs
+    weight = getattr(weight, "qweight", weight)  # a QuantizedWeight: its packed values
     return isinstance(weight, torch.Tensor) and huge_pages.on_huge_pages(weight)
 
 
