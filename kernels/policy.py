@@ -69,9 +69,10 @@ class KernelPolicy:
     f32_gemm_max_rows: int = 128
     # Row counts a 4-bit or 8-bit weight's projection runs on the in-register kernel
     # (cpu_gemm_quant); larger steps dequantize the weight into a reused buffer and run the
-    # float32 path. A step's projections of the bundled model's shapes on a 2-core AVX2 AMD
-    # host: in registers 1.31 against 1.45 ms at 8 rows, 1.88 against 1.62 at 12, 4.83
-    # against 2.98 at 32 (dequantized; a plain float32 weight: 0.99 / 1.06 / 2.25 ms).
+    # float32 path, a pass over every weight a step. 8: the crossover of an ad-hoc timing of the
+    # bundled model's projection shapes on a 2-core AVX2 AMD host, not yet a `kvfleet bench`
+    # figure (at 8 sequences `bench latency` ran 0.94x the dequantized model's step,
+    # docs/results/bench-latency-q4-avx2.json).
     quant_gemm_max_rows: int = 8
     # Whether decode steps may run the whole decoder stack in one C call (cpu_decode_step)
     # where it applies: the same bits as op by op, one Python call a step instead of six per

@@ -6,9 +6,9 @@
  * bundled model's Q4_1 file holds 0.6 bytes a weight; dequantized to float32 at start it streamed
  * 4 bytes a weight (bf16: 2). Here the packed bytes are read and widened to int16 words in
  * registers only. Converting each weight to float (a widen, a convert and an FMA per 8 weights
- * on AVX2) measured as slow as this whole kernel, so the arithmetic is integer instead: each run
- * of 32 activations is rounded to int16 with a scale (its largest magnitude maps to 32767), a
- * run's dot product is one or two vpmaddwd, and its int32 sum is scaled into the float
+ * on AVX2) was no faster in an ad-hoc timing and keeps more work per weight, so the arithmetic
+ * is integer instead: each run of 32 activations is rounded to int16 with a scale (its largest
+ * magnitude maps to 32767), a run's dot product is one or two vpmaddwd, and its int32 sum is scaled into the float
  * accumulator by the activations' scale times the group's weight scale; an asymmetric format's
  * offsets add offset x (the group's float sum of x) once per group. The rounding of x costs at
  * most half an int16 step of its run's largest value per product: ~100x finer than bf16

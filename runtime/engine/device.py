@@ -34,12 +34,11 @@ def model_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     quantized (which resolves a Hub id, as loading it would)."""
     from kvfleet.runtime.models.loader import quantization_of
 
-    scheme = quantization_of(config.model, config.quantization, config.revision, config.hf_token)
-    # Under tensor parallelism a GGUF loads dequantized (loader.load_model).
-    sharded_gguf = (
-        config.tensor_parallel_size > 1 and scheme is not None and scheme.method == "gguf"
-    )
-    return resolve_dtype(config.dtype, device, scheme is not None and not sharded_gguf)
+    scheme = quantization_of(
+        config.model, config.quantization, config.revision, config.hf_token,
+        sharded=config.tensor_parallel_size > 1,
+    )  # fmt: skip
+    return resolve_dtype(config.dtype, device, scheme is not None)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -339,12 +339,10 @@ def load_model(
     folder = resolve_model(model, revision, token)
     config = load_config(folder)
     gguf_path = gguf_file_of(model)
-    scheme = scheme_of_gguf(quantization) if gguf_path else scheme_of_folder(folder, quantization)
-    if scheme is not None and tp is not None and scheme.method == "gguf":
-        # A shard reads slices of plain tensors; the GGUF's dequantized copy has them.
-        if tp.rank == 0:
-            log.warning("quantization: GGUF weights load dequantized under tensor parallelism")
-        scheme = None
+    scheme = _kept(
+        scheme_of_gguf(quantization) if gguf_path else scheme_of_folder(folder, quantization),
+        sharded=tp is not None,
+    )
     net = LlamaModel(config, dtype=dtype, device=device, tp=tp, policy=policy)
     load_weights(net, folder, dtype, device, scheme, gguf_path)
     net.eval()
@@ -359,20 +357,28 @@ def gguf_file_of(model: str) -> Path | None:
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
+def _kept(scheme: QuantScheme | None, sharded: bool) -> QuantScheme | None:
+    """The scheme weights stay quantized under: a shard reads slices of plain tensors, which a
+    GGUF's dequantized copy has (other quantized checkpoints are refused when sharded)."""
+    return None if sharded and scheme is not None and scheme.method == "gguf" else scheme
+
+
 def quantization_of(
     model: str,
     quantization: str | None = None,
     revision: str | None = None,
     token: str | None = None,
+    sharded: bool = False,
 ) -> QuantScheme | None:
-    """The scheme `load_model` would load `model` with (resolving it, so a Hub id is fetched
-    first, at `revision` with `token`); None for plain weights and random:* models."""
+    """The scheme `load_model` would keep `model`'s weights quantized under (resolving it, so a
+    Hub id is fetched first, at `revision` with `token`; `sharded`: under tensor parallelism);
+    None for plain weights, weights loaded dequantized and random:* models."""
     if model.startswith(RANDOM_PREFIX):
         return None
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
-        return scheme_of_gguf(quantization)
-    return scheme_of_folder(resolve_model(model, revision, token), quantization)
+        return _kept(scheme_of_gguf(quantization), sharded)
+    return _kept(scheme_of_folder(resolve_model(model, revision, token), quantization), sharded)
 
 
 def load_config(folder: Path) -> ModelConfig:

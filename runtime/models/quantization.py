@@ -8,6 +8,7 @@ supported. torch-free: the server's edge checks the flag without loading the mod
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,6 @@ class QuantScheme:
     checkpoint_format: str = ""
     weight_type: str = "int"
     ignore: tuple[str, ...] = ()
-    # compressed-tensors only: "pack-quantized" (int4 in int32 words) or "float-quantized".
-    format: str = ""
 
 
 def _unsupported(what: str) -> ModelLoadError:
@@ -105,7 +104,7 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantScheme:
     if fmt == "float-quantized" and kind == "float" and bits == 8:
         if strategy not in ("tensor", "channel"):
             raise _unsupported(f"compressed-tensors FP8 with strategy {strategy!r}")
-        return QuantScheme("compressed-tensors", 8, weight_type="float", ignore=ignore, format=fmt)
+        return QuantScheme("compressed-tensors", 8, weight_type="float", ignore=ignore)
     if fmt == "pack-quantized" and kind == "int" and bits == 4:
         if weights.get("actorder"):
             raise _unsupported("compressed-tensors with activation ordering (actorder)")
@@ -114,7 +113,7 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantScheme:
             raise _unsupported("compressed-tensors group strategy without a group_size")
         return QuantScheme(
             "compressed-tensors", 4, group, not weights.get("symmetric", True),
-            ignore=ignore, format=fmt,
+            ignore=ignore,
         )  # fmt: skip
     raise _unsupported(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights")
 
@@ -178,8 +177,6 @@ def scheme_of_gguf(requested: str | None = None) -> QuantScheme | None:
 def is_ignored(scheme: QuantScheme, module: str) -> bool:
     """Whether `module` (e.g. "model.layers.0.mlp.down_proj") stays unquantized: a listed
     name, its suffix, or a compressed-tensors "re:" pattern matching it."""
-    import re
-
     for entry in scheme.ignore:
         if entry.startswith("re:"):
             if re.fullmatch(entry[3:], module):
