@@ -84,6 +84,9 @@ class EngineConfig:
         None  # bytes; None: 2 GiB on CPU, a fraction of free memory on GPU
     )
     kv_cache_memory_fraction: float = 0.9  # GPU only: of the memory free after loading weights
+    # vLLM's --gpu-memory-utilization: GPU only, a share of the GPU's total memory for weights,
+    # activations and KV cache (the KV cache gets what loading the model left of that share).
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -134,6 +137,7 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}"
             )
+        self._check_gpu_memory_utilization()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -170,6 +174,28 @@ class EngineConfig:
         if not isinstance(self.kernel_policy, KernelPolicy):
             raise ConfigError(
                 f"kernel_policy: must be a KernelPolicy, got {type(self.kernel_policy).__name__}"
+            )
+
+    def _check_gpu_memory_utilization(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is None:
+            return
+        if not 0.0 < util <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {util}")
+        # Two budgets for one cache: refuse rather than pick one silently. The fraction counts
+        # as given when it is off its default (a config cannot tell 0.9 given from 0.9 default).
+        if self.kv_cache_memory is not None:
+            raise ConfigError(
+                "gpu_memory_utilization: give it or kv_cache_memory, not both "
+                "(--gpu-memory-utilization sizes the KV cache from the GPU's total memory, "
+                "--kv-cache-memory in bytes)"
+            )
+        default_fraction = EngineConfig.__dataclass_fields__["kv_cache_memory_fraction"].default
+        if self.kv_cache_memory_fraction != default_fraction:
+            raise ConfigError(
+                "gpu_memory_utilization: give it or kv_cache_memory_fraction, not both "
+                "(--gpu-memory-utilization is a share of the GPU's total memory, "
+                "--kv-cache-memory-fraction a share of what is free after loading the model)"
             )
 
     def _check_lora(self) -> None:
@@ -279,6 +305,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.kv_cache_memory_fraction,
         help="GPU: fraction of free memory (after weights) given to the KV cache",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's meaning, GPU only: share of the GPU's total memory for weights, activations "
+        "and KV cache; the KV cache gets that share less what is in use after loading the model "
+        "(instead of --kv-cache-memory-fraction or --kv-cache-memory; no effect on CPU)",
     )
     g.add_argument(
         "--max-model-len",

@@ -78,6 +78,7 @@ def start_tensor_parallel(
         block_size=config.block_size,
         kv_cache_memory=kv_budget() if device.type == "cpu" else config.kv_cache_memory,
         kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+        gpu_memory_utilization=config.gpu_memory_utilization,
         num_threads=torch.get_num_threads(),
         store_port=store.port,
         timeout_s=COLLECTIVE_TIMEOUT_S,

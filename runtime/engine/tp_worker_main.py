@@ -53,6 +53,7 @@ def _load(rank: int, spec, conn: Connection):
     import torch
     import torch.distributed as dist
     from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
+    from kvfleet.runtime.engine.kv_budget import cuda_kv_budget
     from kvfleet.runtime.engine.model_runner import allocate_kv_caches
     from kvfleet.runtime.engine.tp_workers import init_process_group, rank_device
     from kvfleet.runtime.models.loader import load_model, model_config_of
@@ -76,9 +77,8 @@ def _load(rank: int, spec, conn: Connection):
     model.prepack()
     if spec.kv_cache_memory is not None:
         budget = spec.kv_cache_memory
-    else:  # only CUDA leaves it to the device: a fraction of what is free after the weights
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * spec.kv_cache_memory_fraction)
+    else:  # only CUDA leaves it to the device, which knows what the weights left
+        budget = cuda_kv_budget(device, spec.kv_cache_memory_fraction, spec.gpu_memory_utilization)
     elem = torch.empty((), dtype=kv_dtype).element_size()
     conn.send(
         (

@@ -83,6 +83,7 @@ class WorkerSpec:
     block_size: int
     kv_cache_memory: int | None  # bytes per rank; None: the device default
     kv_cache_memory_fraction: float
+    gpu_memory_utilization: float | None  # vLLM's meaning (kv_budget.py); None: the fraction
     num_threads: int
     store_port: int  # rank 0's TCPStore on 127.0.0.1
     timeout_s: float
