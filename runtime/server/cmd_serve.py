@@ -18,6 +18,12 @@ import sys
 
 from kvfleet.runtime.engine.config import ConfigError, add_engine_args, engine_config_from_args
 from kvfleet.runtime.server.tool_calls.parsers import TOOL_CALL_PARSERS
+from kvfleet.runtime.server.vllm_flags import (
+    add_vllm_flags,
+    ignored_flags,
+    unsupported_message,
+    vllm_flags_given,
+)
 
 from kvfleet import contract
 
@@ -35,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_serve_args(p)
     add_engine_args(p)
+    add_vllm_flags(p)  # last: only the vLLM flags kvfleet does not have already
     p.set_defaults(func=run)
 
 
@@ -97,6 +104,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
+    given = vllm_flags_given(args)
+    if message := unsupported_message(given):
+        raise ConfigError(message)
+    for ignored in ignored_flags(given):
+        log.info("ignoring vLLM's %s", ignored)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535], got {args.port}")
     if args.max_waiting_requests < 1:

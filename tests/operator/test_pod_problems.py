@@ -183,3 +183,20 @@ def test_the_first_problem_is_reported_with_how_many_pods_have_one():
     assert problem is not None and problem.reason == "Unschedulable"
     assert problem.message.startswith("pod chat-a cannot be scheduled")
     assert problem.message.endswith("; 2 more pods cannot run either")
+
+
+def test_a_vllm_flag_kvfleet_lacks_is_a_crash_loop_quoting_the_serve_error(capsys):
+    """The runtime's own last stderr line for such a flag, as the kubelet keeps it, is what the
+    Degraded condition says."""
+    from kvfleet.runtime.cli import main
+
+    assert main(["serve", "--swap-space", "16"]) == 2
+    log = capsys.readouterr().err
+    last = {"exitCode": 2, "reason": "Error", "message": log}
+    cs = container("runtime", {"reason": "CrashLoopBackOff"}, last)
+    cond = degraded(with_status(rendered_pod(), phase="Running", containerStatuses=[cs]))
+    assert cond["reason"] == "CrashLoop"
+    assert cond["message"].endswith(
+        "exit code 2: kvfleet serve: error: --swap-space (preempted requests are recomputed, "
+        "never swapped): kvfleet does not support this vLLM flag; remove it from the command line"
+    )
