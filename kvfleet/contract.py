@@ -63,6 +63,21 @@ LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 LORA_ADAPTER_LOADED = "kvfleet:lora_adapter_loaded"
 LORA_NAME_LABEL = "lora_name"
 
+# Speculative decoding (vLLM's counters; exposed under --speculative-config): proposals
+# verified, their draft tokens, those accepted, and accepted by position in the proposal
+# (label position, 0-based). Acceptance rate = accepted / draft tokens.
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+POSITION_LABEL = "position"
+SPEC_DECODE_COUNTERS = (
+    SPEC_DECODE_NUM_DRAFTS,
+    SPEC_DECODE_NUM_DRAFT_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+)
+
 COUNTERS = (
     PROMPT_TOKENS,
     GENERATION_TOKENS,
@@ -91,7 +106,7 @@ def exposed_names() -> set[str]:
     """Every series name the runtime exposes on /metrics (counters with _total, histograms'
     _bucket/_sum/_count), for checks that alerts and dashboards reference real metrics."""
     names = set(GAUGES) | set(INFO_GAUGES) | set(LORA_GAUGES)
-    names |= {f"{c}_total" for c in COUNTERS}
+    names |= {f"{c}_total" for c in (*COUNTERS, *SPEC_DECODE_COUNTERS)}
     for h in HISTOGRAMS:
         names |= {f"{h}_bucket", f"{h}_sum", f"{h}_count"}
     return names

@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvfleet.kernels.policy import BACKENDS, DEFAULT_POLICY, KernelPolicy
+from kvfleet.runtime.engine.config_values import ConfigError, parse_bytes
+from kvfleet.runtime.engine.speculative_config import (
+    SpeculativeConfig,
+    add_speculative_args,
+    as_speculative_config,
+    speculative_config_from_args,
+)
 from kvfleet.runtime.models.quantization import METHODS as QUANTIZATION_METHODS
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's names: auto = the model's dtype; fp8 = fp8_e4m3 (more precision, range ±448);
@@ -38,26 +26,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_TENSOR_PARALLEL_SIZE = 64
 MAX_LORAS = 64
 MAX_LORA_RANK = 512
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message names the field and the limit."""
-
-
-def parse_bytes(text: str | int, field: str = "kv_cache_memory") -> int:
-    """'2GiB' → 2147483648; plain integers are bytes."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE_RE.match(str(text))
-        if not m:
-            raise ConfigError(
-                f"{field}: cannot read {text!r} as a size (examples: 512MiB, 2GiB, 1000000)"
-            )
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if value <= 0:
-        raise ConfigError(f"{field}: must be > 0 bytes, got {value}")
-    return value
 
 
 @dataclass(slots=True)
@@ -113,6 +81,8 @@ class EngineConfig:
     max_loras: int = 4  # adapters in one step (their slots on the device)
     max_lora_rank: int = 16  # the highest rank an adapter may have (slots are this wide)
     max_cpu_loras: int | None = None  # adapters kept read in memory (None: max_loras)
+    # Speculative decoding (speculative_config.py): None, or vLLM's JSON keys as a dict/text.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -171,6 +141,13 @@ class EngineConfig:
         if self.chat_template is not None:
             self.chat_template = resolve_chat_template(self.chat_template)
         self._check_lora()
+        self.speculative_config = as_speculative_config(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "speculative_config.model: a draft model runs without tensor parallelism; use "
+                'tensor_parallel_size 1, or {"method": "ngram"}'
+            )
         if not isinstance(self.kernel_policy, KernelPolicy):
             raise ConfigError(
                 f"kernel_policy: must be a KernelPolicy, got {type(self.kernel_policy).__name__}"
@@ -420,13 +397,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model name in the API (default: derived from --model)",
     )
+    add_speculative_args(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig `add_engine_args`'s flags describe (--kernel-backend and --allow-amx as
     its kernel policy's backend and allow_amx, the policy's other fields at their defaults)."""
-    names = {f.name for f in fields(EngineConfig)} - {"kernel_policy"}
+    names = {f.name for f in fields(EngineConfig)} - {"kernel_policy", "speculative_config"}
     values = {k: v for k, v in vars(args).items() if k in names}
+    values["speculative_config"] = speculative_config_from_args(args)
     policy = KernelPolicy(
         backend=getattr(args, "kernel_backend", DEFAULT_POLICY.backend),
         allow_amx=getattr(args, "allow_amx", DEFAULT_POLICY.allow_amx),

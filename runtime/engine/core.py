@@ -29,8 +29,9 @@ from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.lora_slots import LoraSlots
 from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request, TokenLogprob
-from kvfleet.runtime.engine.sampler import Sampler
+from kvfleet.runtime.engine.sampler import Sampler, sample_isolated
 from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.speculator import Pick, build_speculator, verified_rows
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 from kvfleet.runtime.models.lora import LoraError
@@ -144,6 +145,7 @@ class EngineCore:
             loras=self.loras,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.speculator = build_speculator(self) if config.speculative_config else None
         self.grammars = GrammarCompiler(mc.vocab_size, self._load_tokenizer)
         # Constrained sequences join the scheduler once their grammar is compiled, so a new
         # schema never holds up the step loop.
@@ -280,6 +282,7 @@ class EngineCore:
             prefix_cache_hits=self.kv.stats.hits,
             received=self.counters.received,
             **(self.loras.names_in_use(self.scheduler, self._compiling) if self.loras else {}),
+            **(self.speculator.stats_fields() if self.speculator else {}),
         )
 
     def warm_up(self) -> None:
@@ -323,10 +326,14 @@ class EngineCore:
             raise exc
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
+        for r in batch.preempted if self.speculator is not None else ():
+            self.speculator.forget(r)
         for r, entries in result.prompt_logprobs:
             r.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
         rows = result.sample_rows
-        picks = self._sample(result.logits, rows, result.argmax) if rows else []
+        picks = sample_isolated(
+            self.sampler, result.logits, rows, result.argmax, result.draft_tokens
+        )
         # The step's time, forward and sampling (which waits for the device): what the
         # scheduler sizes the next steps' prompt share by, where it bounds that share.
         step_times = self.scheduler.step_times
@@ -335,45 +342,34 @@ class EngineCore:
             step_times.observe(batch.total_tokens - decodes, decodes, time.perf_counter() - started)
         touched: list[Request] = []
         now = time.monotonic()
-        for r, pick in zip(rows, picks, strict=True):
-            if r.finished:  # a sibling failed earlier in this loop and took the group down
-                continue
-            if isinstance(pick, Exception):
-                failed.extend(self._fail_group(r, pick))
-                continue
-            if r.grammar is not None:
-                try:
-                    r.grammar.accept(pick[0])
-                except Exception as exc:
-                    failed.extend(self._fail_group(r, exc))
-                    continue
-            self._append_token(r, *pick, now)
-            if r.grammar is not None and r.grammar.terminated:
-                self._finish(r, "stop")  # complete: e.g. under ignore_eos, nothing may follow
+        spec = self.speculator
+        for v in verified_rows(spec, rows, picks, result.draft_tokens):
+            r = v.request
+            r.num_computed_tokens -= v.rejected  # their K/V is overwritten by the next step
+            for pick in v.picks:
+                if r.finished:  # stopped, or a sibling failed and took the group down
+                    break
+                failed.extend(self._take(r, pick, now))
+            if v.rejected and not r.finished:
+                self.kv.trim(r, r.num_tokens)
             touched.append(r)
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.max_model_len)
         return [self._output(r) for r in touched if r.request_id in self._sent] + failed
 
-    def _sample(
-        self, logits: torch.Tensor, rows: list[Request], argmax: list[int] | None = None
-    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """Each row's (token, logprob); where sampling the batch fails, the rows are sampled one
-        at a time so that only the requests whose own rows fail get an exception. `argmax`:
-        each row's argmax of `logits`, where the step computed it."""
-        try:
-            tokens, logprobs = self.sampler(logits, rows, argmax)
-            return list(zip(tokens, logprobs, strict=True))
-        except Exception:
-            log.warning(
-                "sampling %d rows failed; sampling them one by one", len(rows), exc_info=True
-            )
-        picks: list[tuple[int, TokenLogprob | None] | Exception] = []
-        for i, r in enumerate(rows):
+    def _take(self, r: Request, pick: Pick | Exception, now: float) -> list[SequenceOutput]:
+        """Append one sampled token to `r`; the group's failure outputs where it cannot."""
+        if isinstance(pick, Exception):
+            return self._fail_group(r, pick)
+        if r.grammar is not None:
             try:
-                tokens, logprobs = self.sampler(logits[i : i + 1], [r])
-                picks.append((tokens[0], logprobs[0]))
+                r.grammar.accept(pick[0])
             except Exception as exc:
-                picks.append(exc)
-        return picks
+                return self._fail_group(r, exc)
+        self._append_token(r, *pick, now)
+        if r.grammar is not None and r.grammar.terminated:
+            self._finish(r, "stop")  # complete: e.g. under ignore_eos, nothing may follow
+        return []
 
     def _drop_unreadable_loras(self, batch: ScheduledBatch) -> list[SequenceOutput]:
         assert self.loras is not None
@@ -420,6 +416,8 @@ class EngineCore:
         if r.finished:
             return
         self.scheduler.finish(r, reason, stop_reason)
+        if self.speculator is not None:
+            self.speculator.forget(r)
         if r.lora_id and self.loras is not None:
             self.loras.release(r.lora_id)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

@@ -75,6 +75,13 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # Under --enable-lora: the adapters of running and of waiting sequences, by name.
     lora_running: list[str] = msgspec.field(default_factory=list)
     lora_waiting: list[str] = msgspec.field(default_factory=list)
+    # Under --speculative-config (speculator.SpecDecodeCounters): proposals verified, draft
+    # tokens, accepted tokens, accepted by position (one entry per draft position; empty
+    # when speculation is off).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class CoreInfo(msgspec.Struct, array_like=True):

@@ -141,7 +141,9 @@ class KVCacheManager:
         for _ in range(max(needed, 0)):
             held.append(self._take_fresh_block())
         if self.enable_prefix_caching:
-            self._name_full_blocks(request, total_tokens)
+            # Only the request's own tokens name blocks: slots made for draft tokens
+            # (speculative decoding) hold nothing the cache may serve until they are accepted.
+            self._name_full_blocks(request, min(total_tokens, request.num_tokens))
         return True
 
     def _take_fresh_block(self) -> int:
@@ -172,14 +174,28 @@ class KVCacheManager:
                 self.cached.setdefault(h, b)
         self.req_num_hashed[rid] = end
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past those `num_tokens` tokens need: the slots of
+        draft tokens the model rejected (unnamed, so they are the first to be reused)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        self._release(blocks[keep:])
+        del blocks[keep:]
+        hashed = self.req_num_hashed[request.request_id]
+        self.req_num_hashed[request.request_id] = min(hashed, keep)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks. Tail blocks go to the front of the eviction queue so a
         shared prefix outlives the unique suffixes behind it."""
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
         self.req_num_hashed.pop(rid, None)
-        if not blocks:
-            return
+        if blocks:
+            self._release(blocks)
+
+    def _release(self, blocks: list[int]) -> None:
         for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:

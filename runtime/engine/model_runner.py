@@ -48,6 +48,10 @@ class StepLogits:
     # Each row's argmax of `logits`, where the step computed it (the one-call CPU step, when
     # every row samples greedily); else None.
     argmax: list[int] | None = None
+    # Speculative decoding: a request with draft tokens has one row per token it computed,
+    # consecutive; each row's draft token (the one the row's logits verify), -1 for a row
+    # that verifies none. None when no row of the step carries a draft.
+    draft_tokens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -199,15 +203,26 @@ class ModelRunner:
         """Run every scheduled token; return the logits of the requests that now need a
         sampled token, and the prompt logprobs owed by the scheduled positions."""
         bs = self.kv.block_size
-        order = [i for i, n in enumerate(batch.num_tokens) if n == 1]
-        num_decodes = len(order)
-        order += [i for i, n in enumerate(batch.num_tokens) if n != 1]
+        # A request with draft tokens (speculative decoding) runs as one decode row per token,
+        # its last token's then each draft's, over the same blocks: every layer writes the
+        # step's K/V before attention reads, so row j sees the rows before it, as a causal
+        # prompt chunk would. The fused CPU step, the one-call logits and the decode graphs
+        # take such a step as they take any decode step.
+        decoding = [
+            n == 1 or r.num_computed_tokens == r.num_tokens - 1
+            for r, n in zip(batch.requests, batch.num_tokens, strict=True)
+        ]
+        order = [i for i, d in enumerate(decoding) if d]
+        num_seq_decodes = len(order)
+        order += [i for i, d in enumerate(decoding) if not d]
         slot_of = self._lora_slots(batch)
         if slot_of is not None:
             # Each adapter's rows consecutive (decodes still first): one matmul pair per run.
-            order = sorted(order[:num_decodes], key=slot_of.__getitem__) + sorted(
-                order[num_decodes:], key=slot_of.__getitem__
+            order = sorted(order[:num_seq_decodes], key=slot_of.__getitem__) + sorted(
+                order[num_seq_decodes:], key=slot_of.__getitem__
             )
+        num_decodes = sum(batch.num_tokens[i] for i in order[:num_seq_decodes])
+        drafts: list[int] | None = None
         token_slots: list[int] = []
 
         input_ids: list[int] = []
@@ -232,6 +247,23 @@ class ModelRunner:
                 lo, hi = max(start, owed), min(end, r.num_prompt_tokens - 1)
                 if lo < hi:
                     prompt_spans.append(_PromptSpan(r, len(input_ids) + lo - start, lo, hi))
+            if slot_of is not None:
+                token_slots.extend([slot_of[i]] * n)
+            if decoding[i] and n > 1:
+                spec = r.spec_token_ids[: n - 1]
+                drafts = [-1] * len(sample_rows) if drafts is None else drafts
+                drafts.extend([*spec, -1])
+                logits_index.extend(range(len(input_ids), len(input_ids) + n))
+                input_ids.append(r.all_token_ids[start])
+                input_ids.extend(spec)
+                for pos in range(start, end):
+                    positions.append(pos)
+                    slots.append(blocks[pos // bs] * bs + pos % bs)
+                    query_lens.append(1)
+                    seq_lens.append(pos + 1)
+                    tables.append(blocks)
+                    sample_rows.append(r)
+                continue
             if n == 1:
                 input_ids.append(r.all_token_ids[start])
                 positions.append(start)
@@ -241,19 +273,19 @@ class ModelRunner:
                 pos = np.arange(start, end)
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
-            if slot_of is not None:
-                token_slots.extend([slot_of[i]] * n)
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(blocks)
             if end == r.num_tokens:
                 sample_rows.append(r)
                 logits_index.append(len(input_ids) - 1)
+                if drafts is not None:
+                    drafts.append(-1)
 
         max_blocks = max(len(t) for t in tables)
         # One token per sequence, every one sampled (a one-token chunk inside a prompt is not,
         # and its row would have logits no request takes), no prompt logprobs.
-        one_row_each = num_decodes == len(order) == len(sample_rows) and not prompt_spans
+        one_row_each = num_decodes == len(seq_lens) == len(sample_rows) and not prompt_spans
         one_call = self.one_call if one_row_each and slot_of is None else None
         policy = self.model.kernels.policy
         if one_call is not None and one_call.accepts(num_decodes, max_blocks, policy):
@@ -261,7 +293,7 @@ class ModelRunner:
             logits, argmax = one_call.run(
                 input_ids, positions, slots, seq_lens, tables, greedy, policy=policy
             )
-            return StepLogits(sample_rows, logits, [], argmax)
+            return StepLogits(sample_rows, logits, [], argmax, drafts)
         table = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for row, t in enumerate(tables):
             table[row, : len(t)] = t
@@ -293,7 +325,7 @@ class ModelRunner:
         if not sample_rows:
             return StepLogits([], torch.empty(0), prompt_logprobs)
         logits = next_logits()
-        return StepLogits(sample_rows, logits, prompt_logprobs)
+        return StepLogits(sample_rows, logits, prompt_logprobs, draft_tokens=drafts)
 
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Each scheduled request's LoRA slot (-1: the base model), or None for a step that

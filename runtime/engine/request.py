@@ -62,6 +62,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     grammar: SequenceGrammar | None = None  # its structured-output constraint, if any
     lora_id: int = 0  # the LoRA adapter it runs (the server's id), 0 for the base model
+    # Draft tokens proposed to follow it (speculative decoding): not yet its tokens; the next
+    # step computes them beside its last token and keeps those the model agrees with.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

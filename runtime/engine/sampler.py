@@ -14,10 +14,14 @@ a seed gives the same noise on every kind of machine.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from kvfleet.kernels import dispatch
 from kvfleet.runtime.engine.grammar_matchers import TokenBitmask
 from kvfleet.runtime.engine.request import Request, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -27,12 +31,18 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], argmax: list[int] | None = None
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        argmax: list[int] | None = None,
+        drafts: list[int] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: float32 [len(requests), vocab] on the sampler's device, left unchanged (the
         engine samples rows again one by one when a batch fails, from the same logits).
         `argmax`: each row's argmax of `logits` where the caller has it (the one-call CPU decode
-        step computes it): greedy rows take it unless a bias or constraint changed the row."""
+        step computes it): greedy rows take it unless a bias or constraint changed the row.
+        `drafts` (speculative decoding): each row's draft token, -1 for none. A row returns
+        its draft when it accepts it, else a token that is not the draft (see `_verify`)."""
         # Returned logprobs are the model's own distribution: taken before logit_bias, penalties
         # and min_tokens, as vLLM's default does, so a forced token shows how unlikely it was.
         raw_logprobs = None
@@ -54,7 +64,7 @@ class Sampler:
         elif len(greedy) == len(requests):
             token_list = dispatch.argmax(logits).tolist()
         else:
-            tokens = self._sample(logits, requests)
+            tokens = self._sample(logits, requests, drafts)
             if greedy:
                 idx = torch.tensor(greedy, device=logits.device)
                 tokens[idx] = dispatch.argmax(logits[idx])
@@ -119,7 +129,39 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], drafts: list[int] | None = None
+    ) -> torch.Tensor:
+        probs = self._probs(logits, requests)
+        if drafts is None or all(d < 0 for d in drafts):
+            return self._race(probs, requests)
+        return self._verify(probs, requests, drafts)
+
+    def _verify(
+        self, probs: torch.Tensor, requests: list[Request], drafts: list[int]
+    ) -> torch.Tensor:
+        """Rejection sampling against drafts that are single tokens (a point-mass proposal,
+        as prompt lookup and greedy draft models make): a row keeps its draft d with
+        probability p(d), else draws from p with d removed, renormalised. Either way its token
+        has distribution p exactly: P(d) = p(d), P(x) = (1 - p(d)) p(x) / (1 - p(d))."""
+        dev = probs.device
+        rows = [i for i, d in enumerate(drafts) if d >= 0]
+        index = torch.tensor(rows, device=dev)
+        draft = torch.tensor([drafts[i] for i in rows], device=dev)
+        p_draft = probs[index, draft]
+        uniform = torch.rand(len(rows), generator=self.generator, device=dev)
+        for j, i in enumerate(rows):
+            g = requests[i].generator
+            if g is not None:  # a seed gives the same draws on every machine
+                uniform[j] = torch.rand((), generator=g).item()
+        residual = probs.clone()
+        residual[index, draft] = 0.0
+        tokens = self._race(residual, requests)
+        tokens[index] = torch.where(uniform < p_draft, draft, tokens[index])
+        return tokens
+
+    def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, top-k, top-p and min-p applied."""
         dev = logits.device
         temps = torch.tensor(
             [r.params.temperature or 1.0 for r in requests], dtype=logits.dtype, device=dev
@@ -134,6 +176,11 @@ class Sampler:
         if any(min_p):
             mp = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
             probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
+    def _race(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row, drawn from `probs` (unnormalised is fine) by the race."""
+        dev = probs.device
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is None:
@@ -161,3 +208,31 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_isolated(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[Request],
+    argmax: list[int] | None = None,
+    drafts: list[int] | None = None,
+) -> list[tuple[int, TokenLogprob | None] | Exception]:
+    """Each row's (token, logprob); where sampling the batch fails, the rows are sampled one at a
+    time so that only the requests whose own rows fail get an exception."""
+    if not rows:
+        return []
+    extra = {} if drafts is None else {"drafts": drafts}
+    try:
+        tokens, logprobs = sampler(logits, rows, argmax, **extra)
+        return list(zip(tokens, logprobs, strict=True))
+    except Exception:
+        log.warning("sampling %d rows failed; sampling them one by one", len(rows), exc_info=True)
+    picks: list[tuple[int, TokenLogprob | None] | Exception] = []
+    for i, r in enumerate(rows):
+        try:
+            one = {} if drafts is None else {"drafts": drafts[i : i + 1]}
+            tokens, logprobs = sampler(logits[i : i + 1], [r], **one)
+            picks.append((tokens[0], logprobs[0]))
+        except Exception as exc:
+            picks.append(exc)
+    return picks

@@ -3,7 +3,8 @@
 Each step gets a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
 A step is filled in three passes:
 
-1. running decodes, one token each: a prompt never takes a running stream's place;
+1. running decodes, one token each (with their draft tokens under speculative decoding, where
+   the budget and the cache have room): a prompt never takes a running stream's place;
 2. running requests part-way through their prompt (or a recompute), oldest first;
 3. waiting requests in arrival order, admitted only when the KV cache can hold what they need
    now (head of line: a prompt the cache cannot take yet is not overtaken by a newer one).
@@ -126,6 +127,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
@@ -158,7 +160,7 @@ class Scheduler:
             if self._budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
-                self._schedule_running(request, 1, batch)
+                self._schedule_decode(request, batch)
         prompts = len(prefills) + len(self.waiting)
         allowance = self._bound_prompt_tokens(len(batch.requests), prompts)
         if allowance is not None and prompts > 1:
@@ -200,6 +202,21 @@ class Scheduler:
             allowance = allowance * prompts // decode_rows
         self._budget = min(self._budget, allowance)
         return allowance
+
+    def _schedule_decode(self, request: Request, batch: ScheduledBatch) -> None:
+        """Its next token, and its draft tokens (speculative decoding) where the budget and
+        the cache have room for them: drafts are the first thing given up, before any
+        request is preempted for their slots."""
+        drafts = request.spec_token_ids
+        if drafts:
+            del drafts[max(self._budget - 1, 0) :]
+        if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+            batch.requests.append(request)
+            batch.num_tokens.append(1 + len(drafts))
+            self._budget -= 1 + len(drafts)
+            return
+        drafts.clear()
+        self._schedule_running(request, 1, batch)
 
     def _schedule_running(self, request: Request, num_new: int, batch: ScheduledBatch) -> None:
         while not self.kv.allocate_slots(request, num_new):

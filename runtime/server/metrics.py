@@ -265,6 +265,8 @@ class _EngineCollector(Collector):
         for reason in sorted(set(FINISH_REASONS) | set(s.finished)):
             success.add_metric([self._model_name, reason], s.finished.get(reason, 0))
         yield success
+        if s.spec_accepted_per_position:
+            yield from _spec_decode_counters(s, self._model_name)
         cache = self._cache_config()
         if cache is not None:
             info = GaugeMetricFamily(
@@ -274,3 +276,27 @@ class _EngineCollector(Collector):
             )
             info.add_metric([self._model_name, *cache.values()], 1.0)
             yield info
+
+
+def _spec_decode_counters(s: EngineStats, model_name: str) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (only under --speculative-config)."""
+    for name, doc, v in (
+        (contract.SPEC_DECODE_NUM_DRAFTS, "Draft proposals verified.", s.spec_drafts),
+        (contract.SPEC_DECODE_NUM_DRAFT_TOKENS, "Draft tokens verified.", s.spec_draft_tokens),
+        (
+            contract.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+            "Draft tokens the model accepted.",
+            s.spec_accepted_tokens,
+        ),
+    ):
+        c = CounterMetricFamily(name, doc, labels=[contract.MODEL_NAME_LABEL])
+        c.add_metric([model_name], v)
+        yield c
+    per_pos = CounterMetricFamily(
+        contract.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+        "Draft tokens accepted, by their position in the proposal (0: the first).",
+        labels=[contract.MODEL_NAME_LABEL, contract.POSITION_LABEL],
+    )
+    for pos, v in enumerate(s.spec_accepted_per_position):
+        per_pos.add_metric([model_name, str(pos)], v)
+    yield per_pos
