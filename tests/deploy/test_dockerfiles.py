@@ -1,5 +1,6 @@
-"""The two images install what their side imports and nothing heavier, and start a command the
-CLI really has. The operator image must never pull torch (docs/architecture.md, "Boundaries")."""
+"""The images install what their side imports and nothing heavier, and start a command the CLI
+really has. The operator image must never pull torch (docs/architecture.md, "Boundaries"). The
+runtime images install through docker/install-runtime.sh, read here by running it dry."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import argparse
 import ast
 import importlib.util
 import json
+import os
 import shlex
+import shutil
+import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -47,15 +51,71 @@ class Dockerfile:
                 env[key] = value
         return env
 
+    def commands(self) -> list[list[str]]:
+        """The words of each `&&`-joined command of the RUN instructions."""
+        return [shlex.split(c) for args in self.all("RUN") for c in args.split("&&")]
+
     def pip_installs(self) -> list[list[str]]:
-        """The argument lists of every `pip install` in RUN instructions."""
-        installs = []
-        for args in self.all("RUN"):
-            for command in args.split("&&"):
-                words = shlex.split(command)
-                if words[:2] == ["pip", "install"]:
-                    installs.append(words[2:])
+        """The argument lists of every `pip install` the image runs: in RUN instructions, and
+        in docker/install-runtime.sh as the image calls it (run dry)."""
+        installs = [words[2:] for words in self.commands() if words[:2] == ["pip", "install"]]
+        for line in self.install_script_dry_run():
+            words = shlex.split(line.removeprefix("+ "))
+            if words[1:4] == ["-m", "pip", "install"]:
+                installs.append(words[4:])
         return installs
+
+    def install_script_call(self) -> tuple[dict[str, str], list[str]] | None:
+        """(environment, arguments) of the RUN that calls docker/install-runtime.sh, ARG
+        defaults substituted; None if the image does not."""
+        args = {name: value for name, _, value in (a.partition("=") for a in self.all("ARG"))}
+        for words in self.commands():
+            if INSTALL_SCRIPT in words:
+                at = words.index(INSTALL_SCRIPT)
+                words = [substitute(w, args) for w in words]
+                env = dict(w.partition("=")[::2] for w in words[: at - 1])
+                return env, words[at + 1 :]
+        return None
+
+    def install_script_dry_run(self, compiler: bool = True) -> list[str]:
+        """The commands docker/install-runtime.sh runs for this image (with or without a C
+        compiler on the PATH), as DRY_RUN=1 prints them."""
+        call = self.install_script_call()
+        if call is None:
+            return []
+        env, args = call
+        return dry_run_install_script(args, env, compiler)
+
+
+INSTALL_SCRIPT = "docker/install-runtime.sh"
+
+
+def substitute(word: str, args: dict[str, str]) -> str:
+    for name, value in args.items():
+        word = word.replace("${" + name + "}", value)
+    return word
+
+
+def dry_run_install_script(args: list[str], env: dict[str, str], compiler: bool) -> list[str]:
+    """docker/install-runtime.sh's commands, printed, not run. Without `compiler` the PATH
+    holds only the few tools the script needs, and no gcc."""
+    path = os.environ["PATH"]
+    if not compiler:
+        tools = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"no-gcc-{os.getpid()}"
+        tools.mkdir(exist_ok=True)
+        for tool in ("sh", "mktemp", "dirname", "rm"):
+            link = tools / tool
+            if not link.exists():
+                link.symlink_to(shutil.which(tool) or f"/bin/{tool}")
+        path = str(tools)
+    done = subprocess.run(
+        ["sh", str(ROOT / INSTALL_SCRIPT), *args],
+        env={**env, "PATH": path, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.splitlines()
 
 
 def parse_dockerfile(path: Path) -> Dockerfile:
@@ -88,7 +148,7 @@ def requirements(installs: list[list[str]]) -> tuple[dict[str, Requirement], lis
         for word in words:
             if skip_next:
                 skip_next = False
-            elif word in {"-c", "-r", "--constraint", "--requirement"}:
+            elif word in {"-c", "-r", "--constraint", "--requirement", "--index-url"}:
                 skip_next = True
             elif word.startswith("-"):
                 continue
@@ -141,7 +201,12 @@ def subcommands(parser: argparse.ArgumentParser) -> set[str]:
 
 
 RUNTIME = parse_dockerfile(DOCKER / "runtime.Dockerfile")
+RUNTIME_CPU = parse_dockerfile(DOCKER / "runtime-cpu.Dockerfile")
 OPERATOR = parse_dockerfile(DOCKER / "operator.Dockerfile")
+RUNTIMES = pytest.mark.parametrize("image", [RUNTIME, RUNTIME_CPU], ids=["runtime", "runtime-cpu"])
+IMAGES = pytest.mark.parametrize(
+    "image", [RUNTIME, RUNTIME_CPU, OPERATOR], ids=["runtime", "runtime-cpu", "operator"]
+)
 
 
 def test_operator_image_installs_no_torch_and_kvfleet_without_deps() -> None:
@@ -171,25 +236,53 @@ def test_operator_image_installs_every_operator_import() -> None:
     assert not missing, f"operator image lacks packages its code imports: {missing}"
 
 
-def test_runtime_image_installs_every_runtime_import_but_not_the_operator() -> None:
-    reqs, local = requirements(RUNTIME.pip_installs())
+@RUNTIMES
+def test_runtime_image_installs_every_runtime_import_but_not_the_operator(image) -> None:
+    reqs, local = requirements(image.pip_installs())
     assert local and all("--no-deps" in words for words in local)
     assert not OPERATOR_ONLY & reqs.keys()
-    # torch comes with the base image, so it must not be installed again over it.
-    assert "torch" not in reqs
     imports = third_party_imports("runtime", "kernels", "kvfleet")
-    missing = {d: sorted(f) for d, f in imports.items() if d not in reqs and d != "torch"}
+    # The CPU image runs no Triton kernel (dispatch.py takes the C kernels and torch there).
+    optional = {"triton"} if image is RUNTIME_CPU else set()
+    missing = {d: sorted(f) for d, f in imports.items() if d not in reqs.keys() | optional}
     assert not missing, f"runtime image lacks packages its code imports: {missing}"
-    assert "triton" in reqs
 
 
-@pytest.mark.parametrize("name", ["runtime", "operator"])
+def test_gpu_image_pins_the_torch_and_triton_of_the_gpu_figures_and_a_c_compiler() -> None:
+    reqs, _ = requirements(RUNTIME.pip_installs())
+    assert str(reqs["torch"].specifier) == "==2.11.0"
+    assert str(reqs["triton"].specifier) == "==3.6.0"
+    env, args = RUNTIME.install_script_call() or ({}, [])
+    assert args[0] == "cuda"
+    assert env["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cu130"  # CUDA 13
+    # Triton compiles a launcher per kernel at run time: without gcc in the base, the script
+    # installs it; with one, it leaves it.
+    without = RUNTIME.install_script_dry_run(compiler=False)
+    assert "+ apt-get install -y --no-install-recommends gcc libc6-dev" in without
+    assert not any("apt-get" in line for line in RUNTIME.install_script_dry_run())
+    # Every later install is held to the pinned torch.
+    later = [line for line in without if "pip install" in line and "torch==" not in line]
+    assert later and all(" -c " in line or "--no-deps" in line for line in later)
+
+
+def test_cpu_image_installs_the_cpu_torch_and_pins_no_triton() -> None:
+    reqs, _ = requirements(RUNTIME_CPU.pip_installs())
+    env, args = RUNTIME_CPU.install_script_call() or ({}, [])
+    assert args[0] == "cpu" and env["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert "torch" in reqs and "triton" not in reqs
+    lines = RUNTIME_CPU.install_script_dry_run(compiler=False)
+    assert "+ apt-get install -y --no-install-recommends gcc libc6-dev" in lines
+
+
+@pytest.mark.parametrize("name", ["runtime", "runtime-cpu", "operator"])
 def test_image_copies_every_package_folder_it_installs(name: str) -> None:
     """`pip install .` needs every folder pyproject's package-dir names, in the build context
     (the image's .dockerignore lets it through) and copied before the install."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = set(setuptools["package-dir"].values())
     image = parse_dockerfile(DOCKER / f"{name}.Dockerfile")
+    if image.install_script_call() is not None:
+        folders.add(INSTALL_SCRIPT)
     copied = {shlex.split(args)[0].rstrip("/") for args in image.all("COPY")}
     assert folders <= copied, f"{name}.Dockerfile never copies {sorted(folders - copied)}"
     context = (DOCKER / f"{name}.Dockerfile.dockerignore").read_text().split()
@@ -197,38 +290,42 @@ def test_image_copies_every_package_folder_it_installs(name: str) -> None:
     assert folders <= let_in, f"{name}'s .dockerignore keeps out {sorted(folders - let_in)}"
 
 
-@pytest.mark.parametrize("image", [RUNTIME, OPERATOR], ids=["runtime", "operator"])
+@IMAGES
 def test_image_pins_the_same_ranges_as_pyproject(image: Dockerfile) -> None:
+    """The same ranges, or one version inside them (torch and Triton pinned for the GPUs)."""
     declared = pyproject_requirements()
     reqs, _ = requirements(image.pip_installs())
     for name, req in reqs.items():
-        if name in declared:
+        if name not in declared:
+            continue
+        pins = [spec.version for spec in req.specifier if spec.operator == "=="]
+        if pins:
+            assert declared[name].specifier.contains(pins[0]), f"{name}: {req} vs {declared[name]}"
+        else:
             assert req.specifier == declared[name].specifier, f"{name}: {req} vs {declared[name]}"
 
 
-def test_runtime_base_image_has_cuda_torch() -> None:
-    base = RUNTIME.froms[-1]
-    assert base.startswith("pytorch/pytorch:") and "cuda" in base and "runtime" in base
-
-
-@pytest.mark.parametrize("image", [RUNTIME, OPERATOR], ids=["runtime", "operator"])
+@IMAGES
 def test_image_runs_as_a_numeric_non_root_user(image: Dockerfile) -> None:
     # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
     user = image.all("USER")[-1]
     assert all(part.isdigit() and int(part) != 0 for part in user.split(":")), user
 
 
-def test_runtime_image_has_a_model_cache_volume_and_no_healthcheck() -> None:
-    env = RUNTIME.env()
-    volumes = [v for args in RUNTIME.all("VOLUME") for v in json.loads(args)]
+@RUNTIMES
+def test_runtime_image_has_a_model_cache_volume_and_no_healthcheck(image) -> None:
+    env = image.env()
+    volumes = [v for args in image.all("VOLUME") for v in json.loads(args)]
     assert volumes
     for key in ("KVFLEET_CACHE_DIR", "HF_HOME"):
         assert any(env[key].startswith(v) for v in volumes), f"{key} is not on a volume"
-    assert not RUNTIME.all("HEALTHCHECK") and not OPERATOR.all("HEALTHCHECK")
+    assert not image.all("HEALTHCHECK") and not OPERATOR.all("HEALTHCHECK")
 
 
 @pytest.mark.parametrize(
-    "image,subcommand", [(RUNTIME, "serve"), (OPERATOR, "operator")], ids=["runtime", "operator"]
+    "image,subcommand",
+    [(RUNTIME, "serve"), (RUNTIME_CPU, "serve"), (OPERATOR, "operator")],
+    ids=["runtime", "runtime-cpu", "operator"],
 )
 def test_entrypoint_is_a_kvfleet_subcommand(image: Dockerfile, subcommand: str) -> None:
     from kvfleet.runtime import cli
