@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "kvfleet.runtime.cmd_generate",
     "kvfleet.runtime.cmd_download",
     "kvfleet.runtime.server.cmd_serve",
+    "kvfleet.runtime.cmd_doctor",
     "kvfleet.runtime.router.cmd_router",
     "kvfleet.runtime.bench.cmd_bench",
     "kvfleet.operator.cmd_operator",
