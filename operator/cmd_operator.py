@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvfleet.operator.image_roll import DEFAULT_MAX_ROLLS, DefaultImageRolls
 from kvfleet.operator.leader_election import LeaseTiming
 from kvfleet.operator.render import DEFAULT_CLUSTER_DOMAIN, check_cluster_domain
-from kvfleet.operator.spec import DEFAULT_IMAGE
+from kvfleet.operator.spec import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE
 
 from kvfleet import contract
 
@@ -120,6 +121,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(env KVFLEET_DEFAULT_RUNTIME_IMAGE; default {DEFAULT_IMAGE})",
     )
     p.add_argument(
+        "--default-runtime-cpu-image",
+        metavar="IMAGE",
+        default=os.environ.get("KVFLEET_DEFAULT_RUNTIME_CPU_IMAGE", DEFAULT_CPU_IMAGE),
+        help="runtime image for InferenceServices that name none and ask for no GPU "
+        f"(env KVFLEET_DEFAULT_RUNTIME_CPU_IMAGE; default {DEFAULT_CPU_IMAGE})",
+    )
+    p.add_argument(
+        "--max-default-image-rolls",
+        metavar="N",
+        type=_at_least_one,
+        default=os.environ.get("KVFLEET_MAX_DEFAULT_IMAGE_ROLLS", str(DEFAULT_MAX_ROLLS)),
+        help="when a default runtime image changes, how many of the services using it roll to "
+        "it at once; the next starts when one is ready (env KVFLEET_MAX_DEFAULT_IMAGE_ROLLS; "
+        f"default {DEFAULT_MAX_ROLLS})",
+    )
+    p.add_argument(
         "--cluster-domain",
         metavar="DOMAIN",
         type=_cluster_domain,
@@ -151,6 +168,16 @@ def _cluster_domain(value: str) -> str:
         return check_cluster_domain(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return number
 
 
 def lease_namespace(args: argparse.Namespace) -> str:
@@ -212,6 +239,8 @@ async def _serve(args: argparse.Namespace, timing: LeaseTiming) -> None:
         OperatorConfig(
             max_gpus_per_node=args.max_gpus_per_node,
             default_runtime_image=args.default_runtime_image,
+            default_runtime_cpu_image=args.default_runtime_cpu_image,
+            rolls=DefaultImageRolls(args.max_default_image_rolls),
             cluster_domain=args.cluster_domain,
             fixed_uid=args.fixed_uid,
         )

@@ -21,6 +21,7 @@ from kvfleet.operator import metrics
 from kvfleet.operator.apply import apply_child
 from kvfleet.operator.apply_router import INFERENCE_POOL_MISSING, apply_router
 from kvfleet.operator.autoscale_tasks import register_autoscaler
+from kvfleet.operator.image_roll import DefaultImageRolls
 from kvfleet.operator.kube_api import (
     DEPLOYMENTS,
     ISVCS,
@@ -40,7 +41,7 @@ from kvfleet.operator.render import (
     render_service,
     selector_string,
 )
-from kvfleet.operator.spec import DEFAULT_IMAGE
+from kvfleet.operator.spec import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, InferenceServiceSpec
 from kvfleet.operator.spec_check import (
     DEFAULT_MAX_GPUS_PER_NODE,
     SpecProblem,
@@ -61,6 +62,9 @@ class OperatorConfig:
 
     max_gpus_per_node: int = DEFAULT_MAX_GPUS_PER_NODE
     default_runtime_image: str = DEFAULT_IMAGE  # for specs that name no runtime image
+    default_runtime_cpu_image: str = DEFAULT_CPU_IMAGE  # the same, for spec.resources.gpus 0
+    # A changed default image reaches its services a few at a time (image_roll.py).
+    rolls: DefaultImageRolls = field(default_factory=DefaultImageRolls)
     cluster_domain: str = DEFAULT_CLUSTER_DOMAIN  # status.url's DNS domain
     fixed_uid: bool = True  # pods run as the image's user; False: the platform assigns one
     api: KubeApi | None = None
@@ -72,6 +76,12 @@ class OperatorConfig:
         if self.api is None:
             self.api = KubeApi.from_environment()
         return self.api
+
+    def default_image(self, spec: InferenceServiceSpec) -> str:
+        """The image for a spec that names none: the CPU build for a service without GPUs."""
+        if spec.resources.gpus == 0:
+            return self.default_runtime_cpu_image
+        return self.default_runtime_image
 
     def reconciling(self, namespace: str, name: str) -> threading.Lock:
         """Held while one InferenceService is reconciled: its own changes and every child's
@@ -112,10 +122,18 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         deployment = api.get(DEPLOYMENTS, namespace, name)
         return compute_status(isvc, deployment, problems=problems, cluster_domain=domain)
     try:
+        image = config.default_image(spec)
+        if spec.runtime.image is None:
+            default = image
+            image = config.rolls.decide(
+                (namespace, name), default, lambda: api.get(DEPLOYMENTS, namespace, name)
+            )
+            if image != default:  # held on its image until another service's roll ends
+                config.rolls.requeue(namespace, name, config.rolls.retry_in())
         deployment = apply_child(
             api,
             DEPLOYMENTS,
-            render_deployment(isvc, config.default_runtime_image, fixed_uid=config.fixed_uid),
+            render_deployment(isvc, image, fixed_uid=config.fixed_uid),
             replicas_by_autoscaler=spec.autoscaling.enabled,
         )
         apply_child(api, SERVICES, render_service(isvc))
@@ -223,6 +241,7 @@ def build_registry(
     registry = registry or kopf.OperatorRegistry()
     # Owners whose children changed, reconciled with retries (refresh_queue.py).
     queue = RefreshQueue(functools.partial(refresh_from_child, config))
+    config.rolls.requeue = queue.add
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
@@ -298,7 +317,9 @@ def build_registry(
     # A child's event queues its owner's reconcile (refresh_queue.py: retried until it
     # succeeds, one per burst of events) instead of running it in kopf's one-shot handler.
     @kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)
-    def deployment_changed(body: kopf.Body, **_: Any) -> None:
+    def deployment_changed(type: str, body: kopf.Body, **_: Any) -> None:
+        key = (body.metadata["namespace"], body.metadata["name"])
+        config.rolls.observe(key, None if type == "DELETED" else body)
         owner = _owner_name(body)
         if owner:
             queue.add(body.metadata["namespace"], owner)

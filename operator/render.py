@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvfleet.operator.image_roll import DEFAULT_IMAGE_ANNOTATION
 from kvfleet.operator.model_cache import ModelCachePlan, plan_model_cache
 from kvfleet.operator.model_uri import parse_model_uri
 from kvfleet.operator.quantity import parse_bytes
@@ -350,7 +351,11 @@ def render_deployment(
             "name": name,
             "namespace": namespace,
             "labels": common_labels(name),
-            "annotations": {GENERATION_ANNOTATION: str(meta.get("generation", 0))},
+            "annotations": {
+                GENERATION_ANNOTATION: str(meta.get("generation", 0)),
+                # The operator's default image rolls a few services at a time (image_roll.py).
+                **({DEFAULT_IMAGE_ANNOTATION: default_image} if spec.runtime.image is None else {}),
+            },
             "ownerReferences": [owner_reference(isvc)],
         },
         "spec": {

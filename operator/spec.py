@@ -35,6 +35,7 @@ from kvfleet.operator.spec_fields import (
 )
 
 DEFAULT_IMAGE = "ghcr.io/kvfleet/runtime:0.1.0"
+DEFAULT_CPU_IMAGE = "ghcr.io/kvfleet/runtime-cpu:0.1.0"  # for spec.resources.gpus 0
 METRICS_SOURCES: tuple[str, ...] = ("scrape", "prometheus")
 
 

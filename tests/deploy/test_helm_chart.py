@@ -204,6 +204,8 @@ def test_image_and_runtime_image_default_to_the_app_version(chart: helm.Chart) -
     assert container["image"] == f"ghcr.io/kvfleet/operator:{version}"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVFLEET_DEFAULT_RUNTIME_IMAGE"] == f"ghcr.io/kvfleet/runtime:{version}"
+    assert env["KVFLEET_DEFAULT_RUNTIME_CPU_IMAGE"] == f"ghcr.io/kvfleet/runtime-cpu:{version}"
+    assert env["KVFLEET_MAX_DEFAULT_IMAGE_ROLLS"] == "1"
     assert env["KVFLEET_LOG_LEVEL"] == "INFO"
     assert env["KVFLEET_CLUSTER_DOMAIN"] == "cluster.local"
 
@@ -218,6 +220,9 @@ def test_runtime_image_default_lives_in_the_operator_not_the_crd() -> None:
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert "default" not in spec["properties"]["runtime"]["properties"]["image"]
     assert f"ghcr.io/kvfleet/runtime:{kvfleet.__version__}" == DEFAULT_IMAGE
+    from kvfleet.operator.spec import DEFAULT_CPU_IMAGE
+
+    assert f"ghcr.io/kvfleet/runtime-cpu:{kvfleet.__version__}" == DEFAULT_CPU_IMAGE
 
 
 def test_every_value_override_reaches_the_deployment(chart: helm.Chart) -> None:
@@ -231,6 +236,8 @@ def test_every_value_override_reaches_the_deployment(chart: helm.Chart) -> None:
     assert container["imagePullPolicy"] == "Always"
     assert container["resources"] == VALUES_ALL["resources"]
     assert env["KVFLEET_DEFAULT_RUNTIME_IMAGE"] == VALUES_ALL["defaultRuntimeImage"]
+    assert env["KVFLEET_DEFAULT_RUNTIME_CPU_IMAGE"] == VALUES_ALL["defaultRuntimeCpuImage"]
+    assert env["KVFLEET_MAX_DEFAULT_IMAGE_ROLLS"] == "3"
     assert env["KVFLEET_LOG_LEVEL"] == "DEBUG"
     assert env["KVFLEET_CLUSTER_DOMAIN"] == VALUES_ALL["clusterDomain"] == "k8s.example.internal"
     assert pod["nodeSelector"] == VALUES_ALL["nodeSelector"]

@@ -76,7 +76,7 @@ async def test_deleted_and_edited_children_are_restored(operator):
     await eventually(
         lambda: (
             k8s.get(DEPLOYMENT, NS, "chat")["spec"]["template"]["spec"]["containers"][0]["image"]
-            == "ghcr.io/kvfleet/runtime:0.1.0"
+            == "ghcr.io/kvfleet/runtime-cpu:0.1.0"  # gpus 0: the CPU image
         )
     )
     # Restored once, then quiet: no hot loop of rewrites.
