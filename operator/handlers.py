@@ -143,9 +143,9 @@ def reconcile(config: OperatorConfig, isvc: Mapping[str, Any]) -> dict[str, Any]
         elif api.get(PDBS, namespace, name) is not None:
             api.delete(PDBS, namespace, name)  # replicas went down to one, or it was switched off
         pods = api.list(PODS, namespace, selector_string(name))
-        router = apply_router(
-            api, isvc, spec, config.default_runtime_image, fixed_uid=config.fixed_uid
-        )
+        # The router runs from the runtime pods' image: on a CPU-only cluster that is the
+        # CPU image (the GPU one may not even be pullable there), and it rolls with them.
+        router = apply_router(api, isvc, spec, image, fixed_uid=config.fixed_uid)
     except KubeApiError as exc:
         metrics.RECONCILE_ERRORS.labels(reason=f"HTTP{exc.status}").inc()
         if exc.retryable:

@@ -38,6 +38,12 @@ async def test_the_router_fronts_the_service_and_goes_away_when_turned_off(opera
         assert child["metadata"]["ownerReferences"][0]["name"] == "chat"
     service = k8s.get(SERVICE, NS, "chat")
     assert service["spec"]["selector"] == router_selector_labels("chat")
+    # The runtime pods' image, here the CPU one (gpus 0).
+    images = {
+        k8s.get(DEPLOYMENT, NS, n)["spec"]["template"]["spec"]["containers"][0]["image"]
+        for n in ("chat", "chat-router")
+    }
+    assert images == {operator.config.default_runtime_cpu_image}
     await eventually(lambda: router_status(k8s) == {"mode": "kvfleet", "readyReplicas": 0})
     url = k8s.get(ISVC, NS, "chat")["status"]["url"]
     assert url == "http://chat.default.svc.cluster.local"  # the same URL as without a router
