@@ -115,6 +115,25 @@ def _cuda(torch: object, gpu: bool) -> Iterator[Finding]:
     yield Finding("driver", FAIL if problem else OK, problem or driver_text)
 
 
+def serving_problem(device: str, kernel_backend: str) -> str | None:
+    """What keeps `kvfleet serve` from running on `device`, of the checks cheap enough for every
+    start (no kernel is compiled): a driver older than torch's CUDA build, or no C compiler for
+    Triton's launchers. None on CPU, and when all is well."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not (device.startswith("cuda") or torch.cuda.is_available()):
+        return None  # auto on a machine without a GPU: the CPU serves
+    problem = driver_problem(torch.version.cuda, cuda_driver_version())
+    if problem is not None:
+        return f"driver: {problem}"
+    compiler = compiler_finding(gpu=kernel_backend != "torch")  # the torch backend runs no Triton
+    if compiler.status == FAIL:
+        return f"{compiler.name}: {compiler.detail}"
+    return None
+
+
 def cuda_driver_version() -> str | None:
     """The CUDA version the installed NVIDIA driver supports, e.g. '13.0' (None: no driver)."""
     try:

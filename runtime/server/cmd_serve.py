@@ -162,6 +162,17 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvfleet serve: error: {exc}", file=sys.stderr)
         return 2
+    from kvfleet.runtime.cmd_doctor import serving_problem
+
+    # Said here in one line, before the model loads, rather than as a traceback from the first
+    # kernel launch: the line a pod's termination message and Degraded condition carry.
+    if problem := serving_problem(config.device, config.kernel_policy.backend):
+        print(
+            f"kvfleet serve: error: cannot serve on {config.device}: {problem} "
+            "(`kvfleet doctor` reports the whole machine)",
+            file=sys.stderr,
+        )
+        return 1
     return asyncio.run(_serve(args, config, key))
 
 

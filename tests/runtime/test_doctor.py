@@ -103,3 +103,33 @@ def test_a_cpu_kernel_build_failure_is_a_warning_naming_the_compilers_error(monk
     finding = cmd_doctor._cpu_kernels()
     assert finding.status == WARN
     assert finding.detail == "build failed, torch reference runs: cc1: error: bad flag"
+
+
+def test_serve_on_a_gpu_without_a_compiler_stops_before_loading_with_one_line(
+    capsys, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no cc
+    code = cli.main(["serve", "--device", "cuda", "--model", "random:tiny"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1
+    assert last == (
+        "kvfleet serve: error: cannot serve on cuda: c compiler: none found (gcc or cc); "
+        "Triton needs one to launch kernels (`kvfleet doctor` reports the whole machine)"
+    )
+
+
+def test_serves_start_up_check_is_quiet_where_nothing_is_missing(monkeypatch, tmp_path):
+    import torch
+
+    assert cmd_doctor.serving_problem("cpu", "auto") is None
+    assert cmd_doctor.serving_problem("auto", "auto") is None  # no GPU here: the CPU serves
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "c compiler: none found" in cmd_doctor.serving_problem("auto", "auto")
+    # The torch backend launches no Triton kernel: no compiler needed.
+    assert cmd_doctor.serving_problem("cuda", "torch") is None
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cmd_doctor, "cuda_driver_version", lambda: "12.8")
+    assert cmd_doctor.serving_problem("cuda", "torch").startswith(
+        "driver: the driver supports CUDA 12.8, older than torch's CUDA 13.0 build"
+    )
