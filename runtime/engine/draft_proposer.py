@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+MAX_CATCH_UP_ROWS = 8
 
 
 class DraftProposer:
@@ -117,12 +118,28 @@ class DraftProposer:
         return d
 
     def _run(self, batch: ScheduledBatch) -> None:
-        """One draft forward: each sequence's next greedy token appended to it."""
-        result = self.runner.execute(batch)
+        """One draft forward: each sequence's next greedy token appended to it. A catch-up of a
+        few tokens runs as decode rows, one per token (the runner's form for draft tokens),
+        not as a prompt chunk: the prefill path's per-sequence attention costs more than the
+        rows' extra logits at these lengths."""
+        tails: dict[int, list[int]] = {}
+        for d, n in zip(batch.requests, batch.num_tokens, strict=True):
+            if 1 < n <= MAX_CATCH_UP_ROWS:
+                cut = d.num_computed_tokens + 1
+                d.spec_token_ids = tails[id(d)] = d.all_token_ids[cut:]
+                del d.all_token_ids[cut:]
+        try:
+            result = self.runner.execute(batch)
+        finally:
+            for d in batch.requests:
+                if id(d) in tails:
+                    d.all_token_ids.extend(tails[id(d)])
+                    d.spec_token_ids = []
         tokens = result.argmax
         if tokens is None:
             tokens = dispatch.argmax(result.logits).tolist()
+        last = {id(d): (d, t) for d, t in zip(result.sample_rows, tokens, strict=True)}
         for d, n in zip(batch.requests, batch.num_tokens, strict=True):
             d.num_computed_tokens += n
-        for d, token in zip(result.sample_rows, tokens, strict=True):
+        for d, token in last.values():  # a sequence's last row predicts its next token
             d.all_token_ids.append(token)

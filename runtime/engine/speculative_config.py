@@ -14,6 +14,7 @@ from kvfleet.runtime.engine.config_values import ConfigError
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 32
+DEFAULT_PROMPT_LOOKUP = 5
 # vLLM's old spelling of the n-gram proposer as a "model".
 NGRAM_MODEL_NAMES = ("[ngram]", "ngram")
 # Speculation runs while at most this many sequences run: above it a step is no longer bound by
@@ -32,8 +33,11 @@ class SpeculativeConfig:
 
     method: str  # ngram: prompt lookup; draft_model: a small model with the same tokenizer
     num_speculative_tokens: int
-    prompt_lookup_max: int = 4  # ngram: the longest suffix matched against earlier tokens
-    prompt_lookup_min: int = 1  # ngram: the shortest
+    # ngram: the longest and shortest suffix matched against earlier tokens. As in vLLM, one
+    # not given is the other; neither: 5 and 5 (a short match proposes noise where nothing
+    # is copied, and each rejected draft costs a row of the step).
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     model: str | None = None  # draft_model: as for --model (folder, Hub id, .gguf, bundled)
     revision: str | None = None  # draft_model: a Hub draft's revision
     quantization: str | None = None  # draft_model: as for --quantization
@@ -52,6 +56,11 @@ class SpeculativeConfig:
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        object.__setattr__(self, "prompt_lookup_min", lo)  # frozen: resolved once, here
+        object.__setattr__(self, "prompt_lookup_max", hi)
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= MAX_PROMPT_LOOKUP):
             raise SpeculativeConfigError(
                 "speculative_config.prompt_lookup_min/max: need 1 <= min <= max <= "

@@ -39,9 +39,10 @@ def _prompts() -> list[str]:
 
 
 def _llm(spec: dict) -> LLM:
-    # Little KV memory (preemption), a small step budget (chunked prefill), float32.
+    # Float32 weights (the bundled Q4 model dequantized), little KV memory (preemption), a
+    # small step budget (chunked prefill).
     return LLM(
-        "bundled", dtype="float32", kv_cache_memory="40MiB", max_model_len=512,
+        "bundled", dtype="float32", quantization="none", kv_cache_memory="40MiB", max_model_len=512,
         max_num_batched_tokens=128, max_num_seqs=16, speculative_config=spec,
     )  # fmt: skip
 
@@ -58,7 +59,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 @pytest.fixture(scope="module")
 def ngram_llm() -> Iterator[LLM]:
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    # Suffixes from one token up: many proposals, many of them rejected.
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4, "disable_by_batch_size": 64}  # fmt: skip
     with _llm(spec) as llm:
         yield llm
 
@@ -127,7 +130,7 @@ def test_sampled_tokens_keep_the_models_distribution(self_draft_llm: LLM) -> Non
     prompt = "Once upon a time there was"
     params = [
         SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True)
-        for s in range(160)
+        for s in range(120)
     ]
     counters = self_draft_llm.engine.core.speculator.counters
     before = (counters.draft_tokens, counters.accepted_tokens)
@@ -143,7 +146,7 @@ def test_sampled_tokens_keep_the_models_distribution(self_draft_llm: LLM) -> Non
 
 
 def test_served_counters_show_the_acceptance_rate(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
     with running_server(tiny_llama_dir, tmp_path, "--speculative-config", spec) as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
         prompt = "one two three four " * 8

@@ -61,7 +61,13 @@ def test_speculative_config_json_and_the_older_flags_mean_the_same() -> None:
         "--speculative-model", "[ngram]", "--num-speculative-tokens", "3",
         "--ngram-prompt-lookup-max", "5",
     )  # fmt: skip
-    assert new == old == SpeculativeConfig("ngram", 3, prompt_lookup_max=5)
+    assert new == old == SpeculativeConfig("ngram", 3, prompt_lookup_max=5, prompt_lookup_min=5)
+    # vLLM's defaults: one bound not given is the other; neither, both 5.
+    assert (new.prompt_lookup_min, new.prompt_lookup_max) == (5, 5)
+    lo_only = SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (lo_only.prompt_lookup_min, lo_only.prompt_lookup_max) == (2, 2)
+    plain = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (plain.prompt_lookup_min, plain.prompt_lookup_max) == (5, 5)
     draft = _config("--speculative-config", '{"model": "bundled", "num_speculative_tokens": 2}')
     assert (draft.method, draft.model) == ("draft_model", "bundled")
     assert _config() is None
