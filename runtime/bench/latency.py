@@ -26,7 +26,9 @@ norm, LM head and sampling from Python) instead of one from token ids to logits:
 call gains, in turns. Each of those is a kernel policy of its own that the model runs in its
 turns (`kernel_policies`). `--baseline dequantized` loads a quantized model a second time with
 `--quantization none` and runs every row on that engine in turns: what keeping the weights
-quantized gains. The report and its table are `latency_report`'s.
+quantized gains. The report and its table are `latency_report`'s. With `--speculative-config`,
+it measures speculative decoding instead (speculative.py): output tokens/s of single streams
+and of a full batch, speculation on against off, in turns.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvfleet.runtime.bench import kernel_policies
+from kvfleet.runtime.bench import kernel_policies, speculative
 from kvfleet.runtime.bench.latency_report import (
     decode_rows,
     decode_weight_bytes,
@@ -95,6 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "quantized model loaded with --quantization none (in --dtype), in turns",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    speculative.add_speculative_bench_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -428,11 +431,17 @@ def measure(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = measure(args)
+        config = engine_config_from_args(args)
+        if config.speculative_config is not None:  # speculation on against off (speculative.py)
+            report = speculative.measure_speculative(config, args)
+        else:
+            report = measure(args)
     except ValueError as exc:
         print(f"kvfleet bench latency: {exc}", file=sys.stderr)
         return 1
-    print_report(report)
+    (speculative.print_speculative if config.speculative_config is not None else print_report)(
+        report
+    )
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -25,20 +25,24 @@ from kvfleet.runtime.engine.core_messages import (
 from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.engine.device import model_dtype, resolve_device, resolve_kv_cache_dtype
 from kvfleet.runtime.engine.grammar_matchers import CompilingRequests, GrammarCompiler
+from kvfleet.runtime.engine.kv_budget import engine_kv_budget
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.lora_slots import LoraSlots
 from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.sampler import Sampler, sample_isolated
 from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from kvfleet.runtime.engine.speculator import Pick, build_speculator, verified_rows
+from kvfleet.runtime.engine.speculator import (
+    Pick,
+    build_speculator,
+    load_draft_model,
+    verified_rows,
+)
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 from kvfleet.runtime.models.lora import LoraError
 
 log = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_MEMORY = 2 * 1024**3
 
 
 @dataclass(slots=True)
@@ -96,8 +100,12 @@ class EngineCore:
                 f"max_model_len: {self.max_model_len} exceeds the model's context length "
                 f"{mc.max_position_embeddings}"
             )
+        # A draft model (speculative decoding) loads before the budget is read, and its cache
+        # shares the budget token for token with the model's.
+        draft = load_draft_model(self) if config.speculative_config else None
         # Per rank: its own KV heads (under tensor parallelism, a shard of them).
         per_token = kv_bytes_per_token(mc, self.kv_dtype, self.model.layout.num_kv_heads)
+        per_token += draft.kv_bytes_per_token if draft is not None else 0
         budget = self._kv_budget()
         if num_blocks < 0:
             num_blocks = budget // (per_token * config.block_size)
@@ -145,7 +153,7 @@ class EngineCore:
             loras=self.loras,
         )
         self.sampler = Sampler(config.seed, self.device)
-        self.speculator = build_speculator(self) if config.speculative_config else None
+        self.speculator = build_speculator(self, draft) if config.speculative_config else None
         self.grammars = GrammarCompiler(mc.vocab_size, self._load_tokenizer)
         # Constrained sequences join the scheduler once their grammar is compiled, so a new
         # schema never holds up the step loop.
@@ -178,12 +186,7 @@ class EngineCore:
         self.workers = workers  # from here on a failure in __init__ closes them
 
     def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            return int(self.config.kv_cache_memory)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * self.config.kv_cache_memory_fraction)
-        return CPU_DEFAULT_KV_MEMORY
+        return engine_kv_budget(self.config, self.device)
 
     @property
     def info(self) -> CoreInfo:

@@ -13,16 +13,18 @@ output distribution exactly the target's at any temperature.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from kvfleet.kernels import dispatch
 from kvfleet.runtime.engine.config import ConfigError
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.engine.model_runner import ModelRunner
+from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.scheduler import ScheduledBatch
-from kvfleet.runtime.engine.speculative_config import SpeculativeConfig
+from kvfleet.runtime.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
@@ -31,36 +33,54 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 MAX_CATCH_UP_ROWS = 8
 
 
+@dataclass(slots=True)
+class DraftModel:
+    """The draft model's weights, loaded before the KV budget is read (its cache shares it)."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    kv_bytes_per_token: int
+
+
+def load_draft(core: EngineCore) -> DraftModel:
+    """Load `speculative_config.model` like the model itself (dtype, device, kernel policy),
+    checked to share the model's vocabulary and to reach its max_model_len."""
+    from kvfleet.runtime.models.loader import load_model
+
+    config, spec = core.config, core.config.speculative_config
+    assert spec is not None and spec.model is not None
+    model, mc, _ = load_model(
+        spec.model, core.dtype, core.device, spec.revision, config.hf_token,
+        policy=config.kernel_policy, quantization=spec.quantization,
+    )  # fmt: skip
+    target = core.model_config
+    if mc.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"speculative_config.model: the draft's vocabulary has {mc.vocab_size} tokens, "
+            f"the model's {target.vocab_size}; a draft must share the model's tokenizer"
+        )
+    if mc.max_position_embeddings < core.max_model_len:
+        raise ConfigError(
+            f"speculative_config.model: the draft's context is {mc.max_position_embeddings} "
+            f"tokens, below max_model_len {core.max_model_len}; lower --max-model-len"
+        )
+    model.prepack()
+    per_token = kv_bytes_per_token(mc, core.kv_dtype, model.layout.num_kv_heads)
+    return DraftModel(model, mc, per_token)
+
+
 class DraftProposer:
-    """The draft model, its KV cache and runner, and each sequence's shadow request."""
+    """The draft model's KV cache and runner, and each sequence's shadow request."""
 
-    def __init__(self, spec: SpeculativeConfig, core: EngineCore) -> None:
-        from kvfleet.runtime.models.loader import load_model
-
+    def __init__(self, draft: DraftModel, core: EngineCore) -> None:
         config = core.config
-        assert spec.model is not None
-        self.model, mc, _ = load_model(
-            spec.model, core.dtype, core.device, spec.revision, config.hf_token,
-            policy=config.kernel_policy, quantization=spec.quantization,
-        )  # fmt: skip
-        target = core.model_config
-        if mc.vocab_size != target.vocab_size:
-            raise ConfigError(
-                f"speculative_config.model: the draft's vocabulary has {mc.vocab_size} tokens, "
-                f"the model's {target.vocab_size}; a draft must share the model's tokenizer"
-            )
-        if mc.max_position_embeddings < core.max_model_len:
-            raise ConfigError(
-                f"speculative_config.model: the draft's context is {mc.max_position_embeddings} "
-                f"tokens, below max_model_len {core.max_model_len}; lower --max-model-len"
-            )
-        self.model.prepack()
-        # As many tokens as the target's cache holds: a sequence the target can run, the draft
-        # can follow (prefix sharing aside, which only the target does).
+        self.model = draft.model
+        # As many tokens as the model's cache holds (the budget was split between the two):
+        # a sequence the model can run, the draft can follow (prefix sharing aside).
         self.kv = KVCacheManager(core.kv.num_blocks, core.kv.block_size, False)
         graphs = core.device.type == "cuda" and not config.enforce_eager
         self.runner = ModelRunner(
-            self.model, mc, self.kv, core.kv_dtype, core.device,
+            draft.model, draft.config, self.kv, core.kv_dtype, core.device,
             graph_max_batch=config.max_num_seqs if graphs else 0,
             max_model_len=core.max_model_len, max_num_seqs=config.max_num_seqs,
         )  # fmt: skip

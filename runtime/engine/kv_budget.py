@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvfleet.runtime.engine.config import ConfigError
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     import torch
 
 GIB = 1024**3
+CPU_DEFAULT_KV_MEMORY = 2 * GIB
 
 
 def gpu_kv_budget(free: int, total: int, fraction: float, utilization: float | None) -> int:
@@ -39,3 +40,15 @@ def cuda_kv_budget(device: torch.device, fraction: float, utilization: float | N
 
     free, total = torch.cuda.mem_get_info(device)
     return gpu_kv_budget(free, total, fraction, utilization)
+
+
+def engine_kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """An engine's KV budget: --kv-cache-memory where given, else on a GPU what is left by
+    gpu_kv_budget, else 2 GiB on CPU."""
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory)
+    if device.type == "cuda":
+        return cuda_kv_budget(
+            device, config.kv_cache_memory_fraction, config.gpu_memory_utilization
+        )
+    return CPU_DEFAULT_KV_MEMORY

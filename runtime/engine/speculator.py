@@ -24,7 +24,7 @@ from kvfleet.runtime.engine.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
-    from kvfleet.runtime.engine.draft_proposer import DraftProposer
+    from kvfleet.runtime.engine.draft_proposer import DraftModel, DraftProposer
 
 Pick = tuple[int, TokenLogprob | None]
 
@@ -151,16 +151,26 @@ def verified_rows(
     return spec.verify(rows, picks, drafts)
 
 
-def build_speculator(core: EngineCore) -> Speculator:
-    """The speculator `core.config.speculative_config` describes (its draft model loaded)."""
+def load_draft_model(core: EngineCore) -> DraftModel | None:
+    """The draft model's weights where the config names one (before the KV budget is read)."""
+    spec = core.config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from kvfleet.runtime.engine.draft_proposer import load_draft
+
+    return load_draft(core)
+
+
+def build_speculator(core: EngineCore, draft: DraftModel | None) -> Speculator:
+    """The speculator `core.config.speculative_config` describes, over `draft` if any."""
     spec = core.config.speculative_config
     assert spec is not None
-    draft = None
-    if spec.method == "draft_model":
+    proposer = None
+    if draft is not None:
         from kvfleet.runtime.engine.draft_proposer import DraftProposer
 
-        draft = DraftProposer(spec, core)
-    return Speculator(spec, draft)
+        proposer = DraftProposer(draft, core)
+    return Speculator(spec, proposer)
 
 
 def _may_speculate(r: Request) -> bool:

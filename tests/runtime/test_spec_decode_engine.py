@@ -38,12 +38,12 @@ def _prompts() -> list[str]:
     return grounded + free
 
 
-def _llm(spec: dict) -> LLM:
+def _llm(spec: dict, kv_cache_memory: str = "40MiB") -> LLM:
     # Float32 weights (the bundled Q4 model dequantized), little KV memory (preemption), a
     # small step budget (chunked prefill).
     return LLM(
-        "bundled", dtype="float32", quantization="none", kv_cache_memory="40MiB", max_model_len=512,
-        max_num_batched_tokens=128, max_num_seqs=16, speculative_config=spec,
+        "bundled", dtype="float32", quantization="none", kv_cache_memory=kv_cache_memory,
+        max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16, speculative_config=spec,
     )  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def test_ngram_greedy_output_is_exactly_the_output_without_speculation(
 @pytest.fixture(scope="module")
 def self_draft_llm() -> Iterator[LLM]:
     spec = {"model": "bundled", "num_speculative_tokens": 2, "disable_by_batch_size": 256}
-    with _llm(spec) as llm:
+    with _llm(spec, "80MiB") as llm:  # the draft's cache takes half: as many tokens as each
         yield llm
 
 

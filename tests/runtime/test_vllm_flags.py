@@ -109,12 +109,6 @@ def test_gpu_memory_utilization_refuses_a_second_budget_and_out_of_range(capsys)
     assert EngineConfig(device="cpu", gpu_memory_utilization=0.9).kv_cache_memory is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="EngineCore._kv_budget (core.py) still sizes a one-process GPU cache from "
-    "kv_cache_memory_fraction; its CUDA branch is to call kv_budget.cuda_kv_budget",
-)
 def test_a_one_process_gpu_core_sizes_its_cache_by_gpu_memory_utilization(monkeypatch):
     import torch
     from kvfleet.runtime.engine.core import EngineCore
