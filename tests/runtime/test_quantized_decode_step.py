@@ -56,9 +56,20 @@ def test_fused_quantized_steps_match_the_per_op_loop(num_seqs, awq_dir, monkeypa
     assert calls == ([num_seqs] * 3 if num_seqs <= F32_ROWS else [])
 
 
+@pytest.fixture(scope="module")
+def bundled_net() -> LlamaModel:
+    """The bundled model, loaded once (with the C kernels on, as `_kernels_on` runs each
+    test): its tests only read it, each building caches of its own."""
+    if not cpu_gemm_quant.available():
+        pytest.skip("no AVX-512 or AVX2 here")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("KVFLEET_CPU_KERNELS", raising=False)
+        return _model("bundled")
+
+
 @pytest.mark.parametrize("num_seqs", [1, MAX_ROWS + 2])  # in registers; dequantized
-def test_one_call_logits_through_the_bundled_q8_head(num_seqs):
-    net = _model("bundled")
+def test_one_call_logits_through_the_bundled_q8_head(num_seqs, bundled_net):
+    net = bundled_net
     assert net.lm_head.format == "int8"
     lengths = torch.randint(1, 40, (num_seqs,), generator=torch.Generator().manual_seed(2))
     one = Decoder(net, lengths.tolist())
