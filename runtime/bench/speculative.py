@@ -7,7 +7,8 @@ Two workloads, greedy, one request at a time through the engine (everything but 
   repeated word for word (where prompt lookup finds its drafts);
 - open: questions and stories with nothing to copy (where drafts mostly fail and cost).
 Each prompt runs with speculation on and off in turns; a workload's output tokens/s is its
-tokens over its wall time. Beside each figure: the acceptance rate (accepted / draft tokens)
+tokens over its wall time, and its decode rate the tokens after the first over the time after
+the prompts (a turn of the same prompts with one output token each, in the same run). Beside each figure: the acceptance rate (accepted / draft tokens)
 and the tokens a verify step gains on average. Then `--concurrency` requests at once, on and
 off in turns: what speculation costs a full batch (above disable_by_batch_size it turns
 itself off).
@@ -81,15 +82,23 @@ def _turn(llm: Any, prompts: list[str], on: bool, max_tokens: int, together: boo
 def _compare(llm: Any, name: str, prompts: list[str], args: Any, together: bool) -> dict:
     """Speculation off and on in turns (`args.repeats` of each); the faster turn of each."""
     turns: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for on in (False, True):
+    for i in range(args.repeats):
+        # Off-on, then on-off: a host whose speed drifts within minutes favours neither.
+        for on in (False, True) if i % 2 == 0 else (True, False):
             turns[on].append(_turn(llm, prompts, on, args.max_tokens, together))
     best = {on: min(ts, key=lambda t: t["seconds"]) for on, ts in turns.items()}
+    # The prompts alone (one output token each), in the same run: what a turn spends before
+    # decoding, which speculation does not touch.
+    prefill = min(_turn(llm, prompts, False, 1, together)["seconds"] for _ in range(args.repeats))
     on_drafts = sum(t["draft_tokens"] for t in turns[True])
     accepted = sum(t["accepted_tokens"] for t in turns[True])
     proposals = sum(t["drafts"] for t in turns[True])
     off_tps = best[False]["tokens"] / best[False]["seconds"]
     on_tps = best[True]["tokens"] / best[True]["seconds"]
+    decode = {
+        on: (t["tokens"] - len(prompts)) / max(t["seconds"] - prefill, 1e-9)
+        for on, t in best.items()
+    }
     return {
         "workload": name,
         "requests": len(prompts),
@@ -98,6 +107,11 @@ def _compare(llm: Any, name: str, prompts: list[str], args: Any, together: bool)
         "off_tokens_per_s": round(off_tps, 2),
         "on_tokens_per_s": round(on_tps, 2),
         "speedup": round(on_tps / off_tps, 3),
+        "prefill_seconds": round(prefill, 3),
+        # Tokens after the first over the time after the prompts: the decode rate.
+        "off_decode_tokens_per_s": round(decode[False], 2),
+        "on_decode_tokens_per_s": round(decode[True], 2),
+        "decode_speedup": round(decode[True] / decode[False], 3),
         "acceptance_rate": round(accepted / on_drafts, 3) if on_drafts else None,
         "accepted_per_proposal": round(accepted / proposals, 2) if proposals else None,
         # Greedy: speculation must not change a token (a check, not a speed figure).
@@ -152,11 +166,12 @@ def print_speculative(report: dict) -> None:
     print(f"model {report['model']} on {report['device']} ({report['dtype']}), "
           f"cpu: {report['cpu_flags']}")  # fmt: skip
     print(f"{'workload':<10}{'requests':>9}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}"
-          f"{'accepted':>10}{'per step':>10}  same tokens")  # fmt: skip
+          f"{'decode':>9}{'accepted':>10}{'per step':>10}  same tokens")  # fmt: skip
     for r in report["rows"]:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
         per = "-" if r["accepted_per_proposal"] is None else f"{r['accepted_per_proposal']:.2f}"
         shape = f"{r['requests']}{' at once' if r['concurrent'] else ''}"
         print(f"{r['workload']:<10}{shape:>9}{r['off_tokens_per_s']:>11.1f}"
-              f"{r['on_tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x{rate:>10}{per:>10}  "
+              f"{r['on_tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x{r['decode_speedup']:>8.2f}x"
+              f"{rate:>10}{per:>10}  "
               f"{r['same_tokens']}")  # fmt: skip

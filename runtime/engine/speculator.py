@@ -53,9 +53,14 @@ class VerifiedRows:
 class Speculator:
     """Proposes drafts, counts what verification made of them."""
 
-    def __init__(self, config: SpeculativeConfig, draft: DraftProposer | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, draft: DraftProposer | None = None, max_rows: int = 0
+    ) -> None:
         self.config = config
         self.draft = draft
+        # The most rows a decode step may have with its drafts (0: no limit): past the rows
+        # the step's fast path takes, a verify step costs more than its drafts can save.
+        self.max_rows = max_rows
         self.enabled = True  # benchmarks turn it off for their baseline turns
         self.counters = SpecDecodeCounters(
             accepted_per_position=[0] * config.num_speculative_tokens
@@ -83,6 +88,9 @@ class Speculator:
             )
             if k > 0:
                 wanted.append((r, k))
+        if self.max_rows and wanted:
+            each = (self.max_rows - len(running)) // len(wanted)
+            wanted = [(r, min(k, each)) for r, k in wanted] if each > 0 else []
         if self.draft is not None:
             self.draft.propose(wanted)
             return
@@ -170,7 +178,21 @@ def build_speculator(core: EngineCore, draft: DraftModel | None) -> Speculator:
         from kvfleet.runtime.engine.draft_proposer import DraftProposer
 
         proposer = DraftProposer(draft, core)
-    return Speculator(spec, proposer)
+    return Speculator(spec, proposer, verify_row_limit(core))
+
+
+def verify_row_limit(core: EngineCore) -> int:
+    """For a quantized model on CPU, the rows its quantized GEMM takes: past them every weight is
+    dequantized each step, a cost drafts do not earn back. Else no limit (0)."""
+    if core.device.type != "cpu":
+        return 0
+    from kvfleet.kernels.quant_weight import QuantizedWeight
+    from kvfleet.runtime.models.llama import PROJECTIONS
+
+    layer = core.model.layers[0]
+    if any(isinstance(getattr(layer, name, None), QuantizedWeight) for name in PROJECTIONS):
+        return core.model.kernels.policy.quant_gemm_max_rows
+    return 0
 
 
 def _may_speculate(r: Request) -> bool:

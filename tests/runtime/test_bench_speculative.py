@@ -25,6 +25,7 @@ def test_reports_each_workload_on_against_off(tiny_llama_dir: Path, tmp_path: Pa
         assert (
             abs(r["speedup"] - r["on_tokens_per_s"] / r["off_tokens_per_s"]) < 0.02 * r["speedup"]
         )
+        assert r["prefill_seconds"] > 0 and r["on_decode_tokens_per_s"] > 0
     # Above disable_by_batch_size (4) nothing speculates; at one request at a time it does.
     assert rows["grounded"]["acceptance_rate"] is not None
     assert report["speculative_config"]["num_speculative_tokens"] == 3

@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 from kvfleet.runtime.engine.config import ConfigError, add_engine_args, engine_config_from_args
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager, hash_block, root_hash
 from kvfleet.runtime.engine.ngram_proposer import propose_ngram
-from kvfleet.runtime.engine.request import Request
+from kvfleet.runtime.engine.request import Request, RequestStatus
 from kvfleet.runtime.engine.sampler import Sampler
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from kvfleet.runtime.engine.speculative_config import SpeculativeConfig
+from kvfleet.runtime.engine.speculator import Speculator
 
 # --- prompt lookup ----------------------------------------------------------------------------
 
@@ -241,3 +242,30 @@ def test_drafts_never_leak_blocks_and_the_prefix_cache_names_accepted_tokens_onl
             assert [kv.block_hash[b] for b in blocks[: len(named)]] == chain
     assert not sched.has_unfinished()
     assert kv.num_free_blocks == num_blocks and all(c == 0 for c in kv.ref_counts)
+
+
+# --- how many drafts a step may carry -------------------------------------------------------
+
+
+def _decoding(rid: str) -> Request:
+    r = Request(rid, [5, 6, 7] * 4 + [5, 6], SamplingParams(max_tokens=64), frozenset(), 64)
+    r.status = RequestStatus.RUNNING
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def test_drafts_stay_within_the_rows_a_step_may_take() -> None:
+    config = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, disable_by_batch_size=8)
+    one, two = [_decoding("a")], [_decoding("b"), _decoding("c")]
+    Speculator(config, max_rows=8).propose(one, 512)
+    assert one[0].spec_token_ids == [7, 5, 6]  # 1 + 3 rows fit in 8
+    Speculator(config, max_rows=6).propose(two, 512)
+    assert [r.spec_token_ids for r in two] == [[7, 5], [7, 5]]  # 2 + 2 x 2 rows
+    many = [_decoding(f"r{i}") for i in range(8)]
+    Speculator(config, max_rows=8).propose(many, 512)
+    assert all(not r.spec_token_ids for r in many)  # no room: plain decodes
+    Speculator(config).propose(many, 512)  # no limit
+    assert all(len(r.spec_token_ids) == 3 for r in many)
+    too_many = [*many, _decoding("x")]  # above disable_by_batch_size
+    Speculator(config).propose(too_many, 512)
+    assert all(not r.spec_token_ids for r in too_many)
