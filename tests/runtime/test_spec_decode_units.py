@@ -269,3 +269,20 @@ def test_drafts_stay_within_the_rows_a_step_may_take() -> None:
     too_many = [*many, _decoding("x")]  # above disable_by_batch_size
     Speculator(config).propose(too_many, 512)
     assert all(not r.spec_token_ids for r in too_many)
+
+
+def test_a_verify_step_runs_as_one_call_from_token_ids_to_logits(
+    tiny_llama_dir, one_calls: list[int]
+) -> None:
+    """On CPU a step whose sequence carries drafts is a decode step of one row per token: it
+    takes the one-call path (the fused stack and LM head in C) like any decode step."""
+    from kvfleet.kernels.cpu import cpu_library
+    from kvfleet.runtime.engine.llm import LLM
+
+    if not cpu_library.available():
+        pytest.skip("the CPU kernels are not built here")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(str(tiny_llama_dir), dtype="float32", speculative_config=spec) as llm:
+        llm.generate([[5, 6, 7] * 6], SamplingParams(temperature=0, max_tokens=12))
+        drafted = llm.engine.core.speculator.counters.draft_tokens
+    assert drafted > 0 and any(rows > 1 for rows in one_calls), one_calls
