@@ -80,6 +80,10 @@ async def forward(
     except aiohttp.ServerDisconnectedError as exc:
         # Closed before any answer: a replica that just stopped; nothing was generated for us.
         raise _failed("connect", 502, f"upstream {upstream} closed the connection", True) from exc
+    except aiohttp.ClientOSError as exc:
+        # Reset before any answer (a replica killed while it computed ours): the client has
+        # seen nothing, so another replica may serve it.
+        raise _failed("connect", 502, f"upstream {upstream}: {exc}", True) from exc
     except TimeoutError as exc:
         raise _failed("timeout", 504, f"upstream {upstream}: no answer in time", False) from exc
     except aiohttp.ClientError as exc:
@@ -101,8 +105,10 @@ async def _relay_whole(up: aiohttp.ClientResponse, upstream: str) -> web.Respons
     except TimeoutError as exc:
         raise _failed("timeout", 504, f"upstream {upstream}: no answer in time", False) from exc
     except aiohttp.ClientError as exc:
+        # A whole answer reaches the client only once read: nothing has, so another replica
+        # may serve it.
         message = f"upstream {upstream} broke off its answer: {exc}"
-        raise _failed("stream", 502, message, False) from exc
+        raise _failed("stream", 502, message, True) from exc
     headers = {h: up.headers[h] for h in _RELAYED_RESPONSE_HEADERS if h in up.headers}
     answer = web.Response(status=up.status, body=payload, headers=headers)
     if up.status == 503:  # loading, draining or queue full: another replica may take it
