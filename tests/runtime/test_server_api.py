@@ -249,9 +249,11 @@ async def test_64_concurrent_streams_equal_the_offline_api(tiny_server, model, o
 def test_metrics_are_pinned_and_token_counters_match_usage(tiny_server, tiny_client, model):
     before = scrape(tiny_server)
     names = {n for n, _ in before}
-    # The LoRA series exist only under --enable-lora (test_lora_server.py reads them there).
-    assert contract.exposed_names() - set(contract.LORA_GAUGES) <= names
-    assert not names & set(contract.LORA_GAUGES)
+    # The LoRA series exist only under --enable-lora (test_lora_server.py reads them there),
+    # the speculative ones only under --speculative-config (test_spec_decode_engine.py).
+    only_when_on = {*contract.LORA_GAUGES, *(f"{c}_total" for c in contract.SPEC_DECODE_COUNTERS)}
+    assert contract.exposed_names() - only_when_on <= names
+    assert not names & only_when_on
     assert all(
         dict(labels).get("model_name") == model for n, labels in before if n.startswith("vllm:")
     )
