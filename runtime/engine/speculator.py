@@ -67,9 +67,9 @@ class Speculator:
         )
 
     def propose(self, running: list[Request], max_model_len: int) -> None:
-        """Set the drafts of each running sequence that decodes next (none above
-        disable_by_batch_size running sequences, where a step is no longer bound by reading
-        the weights once and extra rows cost about what they save)."""
+        """Set the drafts of each running sequence that decodes next; none above
+        disable_by_batch_size running sequences (a default chosen, not measured between 1 and
+        32 streams: docs/benchmarks.md, "Speculative decoding")."""
         c = self.config
         if not self.enabled or len(running) > c.disable_by_batch_size:
             for r in running:
