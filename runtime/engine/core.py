@@ -341,7 +341,7 @@ class EngineCore:
         # scheduler sizes the next steps' prompt share by, where it bounds that share.
         step_times = self.scheduler.step_times
         if step_times is not None:
-            decodes = batch.num_tokens.count(1)
+            decodes = result.decode_rows
             step_times.observe(batch.total_tokens - decodes, decodes, time.perf_counter() - started)
         touched: list[Request] = []
         now = time.monotonic()

@@ -52,6 +52,9 @@ class StepLogits:
     # consecutive; each row's draft token (the one the row's logits verify), -1 for a row
     # that verifies none. None when no row of the step carries a draft.
     draft_tokens: list[int] | None = None
+    # Rows that decode (a verify step's draft rows among them), for the step-time model: the
+    # step's other tokens are prompt tokens.
+    decode_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -293,7 +296,7 @@ class ModelRunner:
             logits, argmax = one_call.run(
                 input_ids, positions, slots, seq_lens, tables, greedy, policy=policy
             )
-            return StepLogits(sample_rows, logits, [], argmax, drafts)
+            return StepLogits(sample_rows, logits, [], argmax, drafts, num_decodes)
         table = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for row, t in enumerate(tables):
             table[row, : len(t)] = t
@@ -323,9 +326,11 @@ class ModelRunner:
 
         prompt_logprobs = [(s.request, self._prompt_logprobs(next_logits, s)) for s in prompt_spans]
         if not sample_rows:
-            return StepLogits([], torch.empty(0), prompt_logprobs)
+            return StepLogits([], torch.empty(0), prompt_logprobs, decode_rows=num_decodes)
         logits = next_logits()
-        return StepLogits(sample_rows, logits, prompt_logprobs, draft_tokens=drafts)
+        return StepLogits(
+            sample_rows, logits, prompt_logprobs, draft_tokens=drafts, decode_rows=num_decodes
+        )
 
     def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Each scheduled request's LoRA slot (-1: the base model), or None for a step that

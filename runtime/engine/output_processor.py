@@ -215,10 +215,13 @@ class OutputProcessor:
         # that token counts but is not text, as in vLLM's API.
         last_is_stop_token = out.finish_reason == "stop"
         taken = 0
+        if tokens:
+            # Once per step, as vLLM observes: a verify step's tokens arrive together, and
+            # zero gaps between them would drag the inter-token latency histogram down.
+            self._observe_token(seq, now)
         for i, token in enumerate(tokens):
             taken += 1
             seq.num_output_tokens += 1
-            self._observe_token(seq, now)
             if last_is_stop_token and i == len(tokens) - 1:
                 break
             may_stop = seq.num_output_tokens >= seq.params.min_tokens

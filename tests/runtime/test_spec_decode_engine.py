@@ -171,3 +171,7 @@ def test_served_counters_show_the_acceptance_rate(tiny_llama_dir: Path, tmp_path
     assert metric(samples, "vllm:spec_decode_num_drafts_total") > 0
     assert 0 < accepted <= drafts and sum(per_pos) == accepted
     assert per_pos[0] >= per_pos[1] >= per_pos[2]
+    # One inter-token gap per step, as vLLM counts them: a verify step that keeps drafts
+    # gives several tokens after one gap, not zero-second gaps between them.
+    gaps = metric(samples, "vllm:inter_token_latency_seconds_count")
+    assert 2 * 47 - accepted <= gaps < 2 * 47

@@ -286,3 +286,29 @@ def test_a_verify_step_runs_as_one_call_from_token_ids_to_logits(
         llm.generate([[5, 6, 7] * 6], SamplingParams(temperature=0, max_tokens=12))
         drafted = llm.engine.core.speculator.counters.draft_tokens
     assert drafted > 0 and any(rows > 1 for rows in one_calls), one_calls
+
+
+def test_a_verify_step_is_timed_as_decode_rows_not_prompt_tokens(tiny_llama_dir, monkeypatch):
+    """The step-time model that bounds a step's prompt share (--max-step-time-ratio) learns a
+    verify step as a decode step of 1 + drafts rows: counted as prompt tokens, its drafts
+    would teach the model that prompt tokens cost what decode rows do."""
+    from kvfleet.runtime.engine.llm import LLM
+    from kvfleet.runtime.engine.step_time import StepTimeModel
+
+    seen: list[tuple[int, int]] = []
+    observe = StepTimeModel.observe
+
+    def recording(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        seen.append((prompt_tokens, decode_rows))
+        observe(self, prompt_tokens, decode_rows, seconds)
+
+    monkeypatch.setattr(StepTimeModel, "observe", recording)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(
+        str(tiny_llama_dir), dtype="float32", speculative_config=spec, max_step_time_ratio=4.0
+    ) as llm:
+        llm.generate([[5, 6, 7] * 6], SamplingParams(temperature=0, max_tokens=12))
+        assert llm.engine.core.speculator.counters.draft_tokens > 0
+    assert seen[0] == (18, 0)  # the prompt
+    assert any(rows > 1 for _, rows in seen[1:]), seen  # verify steps, as decode rows
+    assert all(prompt == 0 for prompt, _ in seen[1:]), seen
