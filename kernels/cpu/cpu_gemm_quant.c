@@ -18,9 +18,10 @@
  * NR weight rows are adjacent in memory (one contiguous stream). A micro-tile of MR rows by NR
  * columns keeps MR x NR = LANES vector accumulators (one transpose-and-add, cpu_math.h's reduce8
  * or reduce16, ends it); each run of 32 weights is widened once per micro-tile and used by its
- * MR rows: 1 x LANES for one row, 2 x LANES/2 for two or three, 4 x LANES/4 above. Past the
- * kernel policy's quant_gemm_max_rows (8) dequantizing the weight once per call
- * (kvfleet_dequantize, the float form) into the float32 GEMM is faster.
+ * MR rows: 4 x LANES/4 while four rows are left, then 2 x LANES/2 and 1 x LANES for the rest
+ * (the tiles of a block of LANES columns). Past the kernel policy's quant_gemm_max_rows (8),
+ * dequantizing the weight once per call (kvfleet_dequantize, the float form) into the float32
+ * GEMM is faster.
  *
  * One source for AVX-512 (16 lanes) and AVX2 + FMA (8 lanes); the widening and the word dot are
  * the only instruction-set-specific parts.
@@ -96,6 +97,7 @@ static inline void unpack_int8(const uint8_t *p, vec out[RUN / LANES]) {
 /* A run's 32 weights as int16 words in weight order (one vector), and its dot with the run's
  * 32 int16 activations: 16 int32 lanes of pair sums. */
 typedef __m512i wvec;
+#define INT4_X_ORDER(i) (i)
 static inline wvec words_int4(const uint8_t *p) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(bytes, mask);
@@ -109,13 +111,20 @@ static inline vec run_dot(wvec w, const int16_t *x) {
     return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
 }
 #else
-/* AVX2: a run's words as two vectors (weights 0..15 and 16..31). */
+/* AVX2: a run's words as two vectors. int4 widens each 128-bit lane in place (cheaper than a
+ * cross-lane widen): lo holds weights 0..7 and 16..23, hi 8..15 and 24..31, and the run's
+ * int16 activations are stored in that order (INT4_X_ORDER) so that pair sums meet their
+ * weights. int8 is widened across lanes (lo 0..15, hi 16..31): a load-and-widen is cheaper
+ * there than the in-lane form. */
 typedef struct { __m256i lo, hi; } wvec;
+#define INT4_X_ORDER(i) (((i) & 7) | ((i) & 8) << 1 | ((i) & 16) >> 1)
 static inline wvec words_int4(const uint8_t *p) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    return (wvec){_mm256_cvtepu8_epi16(low), _mm256_cvtepu8_epi16(high)};
+    /* Both lanes hold the 16 bytes; the upper lane's shift by 4 leaves the high nibbles. */
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0), mask = _mm256_set1_epi8(0x0F);
+    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), mask);
+    const __m256i zero = _mm256_setzero_si256();
+    return (wvec){_mm256_unpacklo_epi8(nibbles, zero), _mm256_unpackhi_epi8(nibbles, zero)};
 }
 static inline wvec words_int8(const uint8_t *p) {
     return (wvec){_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
@@ -130,14 +139,15 @@ static inline vec run_dot(wvec w, const int16_t *x) {
 
 /* The rows of x as the integer dot products read them: per run of 32 values, int16 values
  * x / scale rounded to nearest (scale = the run's largest magnitude / 32767, so the largest
- * maps to +-32767), the scale, and per group the float sum of x (for the offsets' term). */
+ * maps to +-32767) in the order the weights' words take (INT4_X_ORDER for int4), the scale,
+ * and per group the float sum of x (for the offsets' term). */
 typedef struct {
     int16_t *q;        /* [m, k] */
     float *scale;      /* [m, k / RUN] */
     float *group_sum;  /* [m, k / group] */
 } Rows16;
 
-static void quantize_run(const float *x, int16_t *q, float *scale, float *sum) {
+static void quantize_run(const float *x, int16_t *q, float *scale, float *sum, int int4) {
     float amax = 0.0f, total = 0.0f;
     for (int i = 0; i < RUN; i++) {
         const float a = x[i] < 0 ? -x[i] : x[i];
@@ -145,7 +155,8 @@ static void quantize_run(const float *x, int16_t *q, float *scale, float *sum) {
         total += x[i];
     }
     const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (int i = 0; i < RUN; i++) q[i] = (int16_t)__builtin_lrintf(x[i] * inv);
+    for (int i = 0; i < RUN; i++)
+        q[int4 ? INT4_X_ORDER(i) : i] = (int16_t)__builtin_lrintf(x[i] * inv);
     *scale = amax / 32767.0f;
     *sum = total;
 }
@@ -189,8 +200,10 @@ QUANT_TILE(int8, 4, 32)
 typedef vec (*tile_fn)(const Rows16 *, const int64_t *, const QuantWeight *, const int64_t *,
                        int64_t);
 
-/* The micro-tile's rows for a step of m rows: more rows share each unpacked run. */
-static inline int rows_per_tile(int64_t m) { return m == 1 ? 1 : m < 4 ? 2 : 4; }
+/* The micro-tile's rows for the `left` rows not yet done: more rows share each unpacked run,
+ * and a step's last rows take a smaller tile rather than padding one (5 rows are 4 + 1, not
+ * 4 + 4: a verify step of speculative decoding is such a step). */
+static inline int rows_per_tile(int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
 static tile_fn pick_tile(int format, int mr) {
     if (format == QUANT_INT4) return mr == 1 ? tile_int4_1 : mr == 2 ? tile_int4_2 : tile_int4_4;
@@ -204,6 +217,23 @@ static inline float offset_term(const QuantWeight *w, const Rows16 *x, int64_t r
     const float *o = w->offsets + col * groups, *s = x->group_sum + row * groups;
     for (int64_t g = 0; g < groups; g++) total += o[g] * s[g];
     return total;
+}
+/* Rows m0 .. m0 + mr - 1 of out, columns n0 .. n0 + LANES / mr - 1 (those below n): one
+ * micro-tile, its bias and its offsets' term. */
+static void quant_tile(const Rows16 *x, const QuantWeight *w, const float *bias, float *out,
+                       int64_t out_stride, int64_t m0, int mr, int64_t n0, int64_t n, int64_t k) {
+    const int nr = LANES / mr;
+    int64_t rows[4], cols[LANES];
+    for (int i = 0; i < mr; i++) rows[i] = m0 + i;
+    for (int j = 0; j < nr; j++) cols[j] = n0 + j < n ? n0 + j : n - 1;
+    float sums[LANES];
+    vstoreu(sums, pick_tile(w->format, mr)(x, rows, w, cols, k));
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr && n0 + j < n; j++) {
+            float y = sums[i * nr + j] + (bias ? bias[n0 + j] : 0.0f);
+            if (w->offsets) y += offset_term(w, x, m0 + i, n0 + j, k / w->group);
+            out[(m0 + i) * out_stride + n0 + j] = y;
+        }
 }
 #endif
 
@@ -231,9 +261,9 @@ int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
     rows16.scale = (float *)(rows16.q + m * k);
     rows16.group_sum = rows16.scale + m * runs;
     const int team = num_threads < 1 ? 1 : num_threads;
-    const int mr = rows_per_tile(m), nr = LANES / mr;
-    const tile_fn tile = pick_tile(w->format, mr);
-    const int64_t col_tiles = (n + nr - 1) / nr;
+    /* A block of LANES columns (weight rows) per thread step; each pass of rows over it unpacks
+     * the block's weights once (they stay in L1 between passes). */
+    const int64_t col_blocks = (n + LANES - 1) / LANES;
 #pragma omp parallel num_threads(team)
     {
         /* A few dozen runs a row: one thread's work unless the step is large. */
@@ -244,29 +274,24 @@ int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
                 for (int64_t r = g * runs_per_group; r < (g + 1) * runs_per_group; r++) {
                     float run_sum;
                     quantize_run(x + i * x_stride + r * RUN, rows16.q + i * k + r * RUN,
-                                 &rows16.scale[i * runs + r], &run_sum);
+                                 &rows16.scale[i * runs + r], &run_sum, w->format == QUANT_INT4);
                     sum += run_sum;
                 }
                 rows16.group_sum[i * groups + g] = sum;
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t ct = 0; ct < col_tiles; ct++) {
-            const int64_t n0 = ct * nr;
-            int64_t cols[LANES];
-            for (int j = 0; j < nr; j++) cols[j] = n0 + j < n ? n0 + j : n - 1;
-            for (int64_t m0 = 0; m0 < m; m0 += mr) {
-                int64_t rows[4];
-                for (int i = 0; i < mr; i++) rows[i] = m0 + i < m ? m0 + i : m - 1;
-                float sums[LANES];
-                vstoreu(sums, tile(&rows16, rows, w, cols, k));
-                for (int i = 0; i < mr && m0 + i < m; i++)
-                    for (int j = 0; j < nr && n0 + j < n; j++) {
-                        float y = sums[i * nr + j] + (bias ? bias[n0 + j] : 0.0f);
-                        if (w->offsets) y += offset_term(w, &rows16, m0 + i, n0 + j, groups);
-                        out[(m0 + i) * out_stride + n0 + j] = y;
-                    }
-            }
+        for (int64_t cb = 0; cb < col_blocks; cb++) {
+            const int64_t lo = cb * LANES, hi = lo + LANES < n ? lo + LANES : n, m4 = m / 4 * 4;
+            /* Four-row passes a few columns at a time (each column's runs stay in L1 from pass
+             * to pass), then the last rows over the whole block. */
+            for (int64_t n0 = lo; n0 < hi && m4; n0 += LANES / 4)
+                for (int64_t m0 = 0; m0 < m4; m0 += 4)
+                    quant_tile(&rows16, w, bias, out, out_stride, m0, 4, n0, n, k);
+            for (int64_t m0 = m4; m0 < m; m0 += rows_per_tile(m - m0))
+                for (int64_t n0 = lo; n0 < hi; n0 += LANES / rows_per_tile(m - m0))
+                    quant_tile(&rows16, w, bias, out, out_stride, m0, rows_per_tile(m - m0), n0,
+                               n, k);
         }
     }
     free(buffer);

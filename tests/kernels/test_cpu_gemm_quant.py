@@ -65,7 +65,7 @@ def test_int4_layout_round_trips_in_gguf_order():
     assert torch.equal(unpack_int4(packed), q)
 
 
-@pytest.mark.parametrize("rows", sorted({1, 2, 3, 4, 5, 17, MAX_ROWS}))
+@pytest.mark.parametrize("rows", sorted({1, 2, 3, 4, 5, 6, 7, 17, MAX_ROWS}))
 @pytest.mark.parametrize("fmt", ["int4", "int4-symmetric", "int8"])
 @pytest.mark.parametrize("n,k,group", [(1, 32, 32), (13, 64, 32), (960, 576, 32), (72, 1536, 128)])
 def test_matches_the_dequantized_product(rows, fmt, n, k, group):
