@@ -86,21 +86,33 @@ class DraftProposer:
         )  # fmt: skip
         self.seqs: dict[str, Request] = {}
         self._base: dict[str, int] = {}  # request id → its length when drafts were proposed
+        # Prompt tokens the draft computes per round, as the model's steps are bounded: a long
+        # prompt is caught up in chunks, its sequence drafting once it is whole.
+        self.prefill_budget = config.max_num_batched_tokens
 
     def propose(self, wanted: list[tuple[Request, int]]) -> None:
         """Set `spec_token_ids` of each (request, k): k greedy draft tokens."""
         batch = ScheduledBatch()
         rounds: list[tuple[Request, Request, int]] = []
+        budget = self.prefill_budget
         for r, k in wanted:
             d = self._catch_up(r)
             n = d.num_tokens - d.num_computed_tokens
+            whole = n <= MAX_CATCH_UP_ROWS or n <= budget
+            if not whole:  # a chunk of a long prompt (never catch-up sized): no drafts yet
+                n = budget if budget > MAX_CATCH_UP_ROWS else 0
+            if n > MAX_CATCH_UP_ROWS:
+                budget -= n
+            if n == 0:
+                continue
             if not self.kv.allocate_slots(d, n):
                 self.free(r)  # its cache is wanted by others; it drafts again later
                 continue
             batch.requests.append(d)
             batch.num_tokens.append(n)
-            rounds.append((r, d, k))
-        for step in range(max((k for _, _, k in rounds), default=0)):
+            if whole:
+                rounds.append((r, d, k))
+        for step in range(max((k for _, _, k in rounds), default=1)):
             if not batch:
                 break
             self._run(batch)
@@ -128,7 +140,10 @@ class DraftProposer:
             d.all_token_ids = r.all_token_ids[:]
             self.seqs[r.request_id] = d
             return d
-        base = self._base[r.request_id]
+        base = self._base.get(r.request_id)
+        if base is None:  # its prompt is still being caught up, chunk by chunk
+            d.all_token_ids = r.all_token_ids[:]
+            return d
         valid = base
         tokens, drafted = r.all_token_ids, d.all_token_ids
         while valid < min(len(tokens), len(drafted)) and tokens[valid] == drafted[valid]:
@@ -156,8 +171,8 @@ class DraftProposer:
                     d.all_token_ids.extend(tails[id(d)])
                     d.spec_token_ids = []
         tokens = result.argmax
-        if tokens is None:
-            tokens = dispatch.argmax(result.logits).tolist()
+        if tokens is None:  # (a step of prompt chunks only samples no row)
+            tokens = dispatch.argmax(result.logits).tolist() if result.sample_rows else []
         last = {id(d): (d, t) for d, t in zip(result.sample_rows, tokens, strict=True)}
         for d, n in zip(batch.requests, batch.num_tokens, strict=True):
             d.num_computed_tokens += n

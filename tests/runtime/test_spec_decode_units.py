@@ -312,3 +312,33 @@ def test_a_verify_step_is_timed_as_decode_rows_not_prompt_tokens(tiny_llama_dir,
     assert seen[0] == (18, 0)  # the prompt
     assert any(rows > 1 for _, rows in seen[1:]), seen  # verify steps, as decode rows
     assert all(prompt == 0 for prompt, _ in seen[1:]), seen
+
+
+def test_a_draft_model_catches_up_a_long_prompt_in_step_sized_chunks(tiny_llama_dir, monkeypatch):
+    """A draft model's first pass over a prompt longer than the step budget runs in chunks of
+    at most max_num_batched_tokens, one per step, the sequence drafting once it has caught up:
+    one draft forward over the whole prompt would stall every running stream for it."""
+    from kvfleet.runtime.engine.draft_proposer import DraftProposer
+    from kvfleet.runtime.engine.llm import LLM
+
+    sizes: list[int] = []
+    run = DraftProposer._run
+
+    def recording(self, batch) -> None:
+        sizes.append(batch.total_tokens)
+        run(self, batch)
+
+    monkeypatch.setattr(DraftProposer, "_run", recording)
+    prompt = [5 + (i * 7919) % 4000 for i in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    kwargs = {"dtype": "float32", "max_num_batched_tokens": 64}
+    with LLM(str(tiny_llama_dir), **kwargs) as plain:
+        expected = plain.generate([prompt], params)[0].outputs[0].token_ids
+    with LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs) as llm:
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+        accepted = llm.engine.core.speculator.counters.accepted_tokens
+    assert got == expected
+    assert accepted > 0  # the model is its own draft: it drafts once caught up
+    assert max(sizes) <= 64, sizes
+    assert sum(size for size in sizes if size > 8) >= len(prompt) - 64, sizes
