@@ -77,13 +77,11 @@ async def forward(
         raise _failed(
             "connect", 502, f"upstream {upstream}: {exc or 'connect timeout'}", True
         ) from exc
-    except aiohttp.ServerDisconnectedError as exc:
-        # Closed before any answer: a replica that just stopped; nothing was generated for us.
-        raise _failed("connect", 502, f"upstream {upstream} closed the connection", True) from exc
-    except aiohttp.ClientOSError as exc:
-        # Reset before any answer (a replica killed while it computed ours): the client has
-        # seen nothing, so another replica may serve it.
-        raise _failed("connect", 502, f"upstream {upstream}: {exc}", True) from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        # Closed or reset before any answer (a replica that just stopped, or was killed while
+        # it computed ours): the client has seen nothing, so another replica may serve it.
+        message = f"upstream {upstream} closed the connection: {exc}"
+        raise _failed("connect", 502, message, True) from exc
     except TimeoutError as exc:
         raise _failed("timeout", 504, f"upstream {upstream}: no answer in time", False) from exc
     except aiohttp.ClientError as exc:
