@@ -35,7 +35,7 @@ from kvfleet.kernels.cpu import (
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata, LoraMapping
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
-from kvfleet.kernels.quant_weight import QuantizedWeight
+from kvfleet.kernels.quant_weight import QuantizedWeight, to_rows
 
 # The names `Kernels.linear_path` gives the kernels a projection may run on: a benchmark reports
 # each figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL,
@@ -70,19 +70,27 @@ def memory_arena(device: torch.device | str) -> HugePageArena | None:
     return HugePageArena() if torch.device(device).type == "cpu" else None
 
 
-def prepack_linear_weight(weight: Weight, arena: HugePageArena | None = None) -> Weight:
+def prepack_linear_weight(
+    weight: Weight, arena: HugePageArena | None = None, policy: KernelPolicy = DEFAULT_POLICY
+) -> Weight:
     """The form of a [out, in] projection weight that `Kernels.linear` runs fastest: for bf16
     CPU weights a `cpu_linear.PackedLinear` (oneDNN's blocked layout, plus AMX tile order where
     that kernel runs, whatever a policy lets it take; the plain weight can then be freed);
+    CPU int4/int8 weights in the quantized kernel's blocked layout (`cpu_gemm_quant.pack`)
+    unless `policy` sends every op to Triton (which reads the row layout);
     other CPU weights, quantized ones too, copied into `arena` when one is given (the same
     values, on huge pages); else the weight itself. Call once, after the weights are loaded."""
     if isinstance(weight, QuantizedWeight):
-        if arena is None or weight.device.type != "cpu":
+        if weight.device.type != "cpu":
+            return weight
+        if policy.backend != "triton":
+            weight = cpu_gemm_quant.pack(weight)
+        if arena is None:
             return weight
         return QuantizedWeight(
             weight.format, arena.copy(weight.qweight), arena.copy(weight.scales),
             None if weight.offsets is None else arena.copy(weight.offsets),
-            weight.out_features, weight.in_features, weight.group_size,
+            weight.out_features, weight.in_features, weight.group_size, weight.block,
         )  # fmt: skip
     if cpu_linear.supports(weight) and cpu_linear.available():
         return cpu_linear.pack(weight, arena)
@@ -162,7 +170,8 @@ class Kernels:
         if self.use_triton(x):
             from kvfleet.kernels.triton import triton_quant
 
-            return triton_quant.linear(x, weight, bias)
+            # A CPU weight packed before a policy sent ops to Triton: its row layout, per call.
+            return triton_quant.linear(x, to_rows(weight) if weight.block else weight, bias)
         rows_f32 = x if x.dtype == torch.float32 else x.float()
         if cpu_gemm_quant.takes(rows_f32, weight, policy=self.policy):
             return cpu_gemm_quant.linear(rows_f32, weight, bias).to(x.dtype)

@@ -23,6 +23,7 @@ _LIMITS = {
     "avx512_bf16_gemm_max_rows": "rows",
     "f32_gemm_max_rows": "rows",
     "quant_gemm_max_rows": "rows",
+    "vnni_quant_gemm_max_rows": "rows",
     "one_call_max_rows": "rows",
     "avx2_prefill_max_context": "context tokens",
 }
@@ -69,11 +70,15 @@ class KernelPolicy:
     f32_gemm_max_rows: int = 128
     # Row counts a 4-bit or 8-bit weight's projection runs on the in-register kernel
     # (cpu_gemm_quant); larger steps dequantize the weight into a reused buffer and run the
-    # float32 path, a pass over every weight a step. 8: the crossover of an ad-hoc timing of the
-    # bundled model's projection shapes on a 2-core AVX2 AMD host, not yet a `kvfleet bench`
-    # figure (at 8 sequences `bench latency` ran 0.94x the dequantized model's step,
-    # docs/results/bench-latency-q4-avx2.json).
+    # float32 path, a pass over every weight a step. Where the kernel's dot is vpmaddwd + vpaddd
+    # (AVX2; AVX-512 without VNNI): 8, past which the dequantized float32 GEMM was faster in an
+    # ad-hoc timing of the bundled model's four projections (AVX2 build on a Zen 4: 16 rows
+    # 1.08 against 0.90 ms, 128 rows 7.00 against 5.56 ms).
     quant_gemm_max_rows: int = 8
+    # The same with AVX-512 VNNI's fused dot (vpdpwssd): faster than dequantizing at every row
+    # count timed (2-core Zen 4: 16 rows 0.43 against 1.08 ms, 128 rows 3.34 against 5.16 ms,
+    # 512 rows 14.1 against 19.7 ms), so every step up to a large prompt's.
+    vnni_quant_gemm_max_rows: int = 8192
     # Whether decode steps may run the whole decoder stack in one C call (cpu_decode_step)
     # where it applies: the same bits as op by op, one Python call a step instead of six per
     # layer. Off, every step goes op by op (tests and `bench decode-step` compare the two).

@@ -19,10 +19,16 @@ asymmetric formats, a float32 offset, so that every format's dequantization is o
 
 Scales and offsets are float32 (exact for every format's fp16/bf16/fp32 scales): a Q4_1 block
 then streams 24 bytes per 32 weights instead of the file's 20, for kernels with one scale type.
+
+On CPU, int4 and int8 weights are repacked once more at load (`to_blocked`): blocks of `block`
+columns (the vector width of the CPU kernel, cpu/cpu_gemm_quant_blocked.c, which describes the
+byte order), the same bytes reordered so that a vector holds every column of the block; scales
+and offsets [blocks, groups * block]. `dequantize` reads both layouts.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +51,8 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     group_size: int
+    # 0: the layout above; > 0: the CPU's column-blocked form, `block` columns per block.
+    block: int = 0
     # What a kernel derives from the tensors once and keeps (the C kernels' pointer struct).
     native: object | None = field(default=None, repr=False, compare=False)
 
@@ -58,12 +66,17 @@ class QuantizedWeight:
                 + ("" if self.format == "fp8" else f" and be a multiple of {RUN}")
             )
         packed_k = k // 2 if self.format == "int4" else k
+        rows, per_row = n, 1
+        if self.block:
+            if self.format == "fp8" or self.block < 1:
+                raise ValueError(f"block: {self.block} needs an int4 or int8 weight, block >= 1")
+            rows, per_row = -(-n // self.block), self.block
         want = {
-            "qweight": ((n, packed_k), _QWEIGHT_DTYPES[self.format]),
-            "scales": ((n, k // g), torch.float32),
+            "qweight": ((rows, packed_k * per_row), _QWEIGHT_DTYPES[self.format]),
+            "scales": ((rows, k // g * per_row), torch.float32),
         }
         if self.offsets is not None:
-            want["offsets"] = ((n, k // g), torch.float32)
+            want["offsets"] = ((rows, k // g * per_row), torch.float32)
         for name, (shape, dtype) in want.items():
             t = getattr(self, name)
             if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
@@ -93,7 +106,7 @@ class QuantizedWeight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QuantizedWeight(
             self.format, move(self.qweight), move(self.scales), move(self.offsets),
-            self.out_features, self.in_features, self.group_size,
+            self.out_features, self.in_features, self.group_size, self.block,
         )  # fmt: skip
 
 
@@ -118,6 +131,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The plain [N, K] weight `weight` stands for, computed in float32 and returned in `dtype`:
     the specification every quantized kernel is tested against."""
+    if weight.block:
+        weight = to_rows(weight)
     n, k, g = weight.out_features, weight.in_features, weight.group_size
     if weight.format == "int4":
         q = unpack_int4(weight.qweight).float()
@@ -177,3 +192,63 @@ def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False) -> 
         k,
         group_size,
     )
+
+
+@functools.cache
+def _block_order(fmt: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each byte of a blocked run (int4: 16 x block, int8: 32 x block bytes), the column
+    within its block and the byte within that column's run in the row layout."""
+    o = torch.arange((16 if fmt == "int4" else 32) * block)
+    if fmt == "int4":
+        load, rem = o // (4 * block), o % (4 * block)
+        lane, t = rem // 16, rem % 16
+        col = 4 * lane + t % 8 // 2
+        return col, 4 * load + 2 * (t // 8) + t % 2
+    rem = o % (2 * block)
+    return rem // 2, 2 * (o // (2 * block)) + rem % 2
+
+
+def _group_major(t: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
+    """Per-column group values [N, groups] -> [blocks, groups * block], zero-padded."""
+    padded = torch.zeros(blocks * block, t.shape[1], dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.view(blocks, block, -1).transpose(1, 2).reshape(blocks, -1).contiguous()
+
+
+def to_blocked(weight: QuantizedWeight, block: int) -> QuantizedWeight:
+    """`weight` (int4 or int8, row layout) in the CPU's column-blocked layout of `block` columns."""
+    if weight.block or weight.format not in ("int4", "int8"):
+        raise ValueError(f"to_blocked: needs an int4 or int8 weight in the row layout, not "
+                         f"{weight.format} with block {weight.block}")  # fmt: skip
+    n, k = weight.out_features, weight.in_features
+    blocks, run_bytes = -(-n // block), 16 if weight.format == "int4" else 32
+    q = torch.zeros(blocks * block, weight.qweight.shape[1], dtype=weight.qweight.dtype)
+    q[:n] = weight.qweight
+    col, byte = _block_order(weight.format, block)
+    rows = q.view(blocks, block, k // RUN, run_bytes)[:, col, :, byte]  # [run bytes, blocks, runs]
+    offsets = weight.offsets
+    return QuantizedWeight(
+        weight.format, rows.permute(1, 2, 0).reshape(blocks, -1).contiguous(),
+        _group_major(weight.scales, blocks, block),
+        None if offsets is None else _group_major(offsets, blocks, block),
+        n, k, weight.group_size, block,
+    )  # fmt: skip
+
+
+def to_rows(weight: QuantizedWeight) -> QuantizedWeight:
+    """A blocked weight back in the row layout (the inverse of `to_blocked`)."""
+    n, k, block = weight.out_features, weight.in_features, weight.block
+    blocks, run_bytes = weight.qweight.shape[0], 16 if weight.format == "int4" else 32
+    col, byte = _block_order(weight.format, block)
+    q = torch.empty(blocks, block, k // RUN, run_bytes, dtype=weight.qweight.dtype)
+    q[:, col, :, byte] = weight.qweight.view(blocks, k // RUN, -1).permute(2, 0, 1)
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        return t.view(blocks, -1, block).transpose(1, 2).reshape(blocks * block, -1)[:n]
+
+    return QuantizedWeight(
+        weight.format, q.reshape(blocks * block, -1)[:n].contiguous(),
+        per_column(weight.scales).contiguous(),
+        None if weight.offsets is None else per_column(weight.offsets).contiguous(),
+        n, k, weight.group_size,
+    )  # fmt: skip

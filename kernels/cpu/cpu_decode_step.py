@@ -197,20 +197,20 @@ class DecodeStack:
 
     def route(self, policy: KernelPolicy) -> None:
         """Route the next C call's quantized projections as `policy` routes the per-op path's
-        (in registers up to its quant_gemm_max_rows)."""
-        self._stack.quant_max_rows = policy.quant_gemm_max_rows
+        (in registers up to `cpu_gemm_quant.max_rows(policy)`)."""
+        self._stack.quant_max_rows = cpu_gemm_quant.max_rows(policy)
 
     def takes_rows(self, rows: int, policy: KernelPolicy) -> bool:
         """Whether a decode step of `rows` sequences runs here under `policy`: as many as the
         per-op path would run on the same GEMM kernel (`cpu_gemm.max_rows(policy)` in bf16,
         `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32; through
-        quantized weights 1 to its `quant_gemm_max_rows` in registers, then dequantized up to
+        quantized weights 1 to `cpu_gemm_quant.max_rows` in registers, then dequantized up to
         `f32_gemm_max_rows`), so that fused and per-op give the same bits."""
         if self.dtype == _BF16:
             lo, hi = 1, cpu_gemm.max_rows(policy)
         elif self.quantized:
             # In-register up to its rows; past them dequantized into the float32 GEMM.
-            lo, hi = 1, max(policy.quant_gemm_max_rows, policy.f32_gemm_max_rows)
+            lo, hi = 1, max(cpu_gemm_quant.max_rows(policy), policy.f32_gemm_max_rows)
         else:
             lo, hi = cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
         return lo <= rows <= hi

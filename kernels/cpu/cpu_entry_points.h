@@ -21,18 +21,23 @@ int kvfleet_linear_f32(const float *x, int64_t x_stride, const float *w, const f
                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                        int num_threads);
 
-/* cpu_gemm_quant.c: a weight in kernels/quant_weight.py's layout (int4: 16 bytes per 32 weights,
- * low nibbles first; int8: 32 values), float32 scales and offsets (or NULL) per group. */
+/* cpu_gemm_quant.c: a weight in kernels/quant_weight.py's layout (int4: 16 bytes per 32 weights;
+ * int8: 32 values) repacked into column blocks of kvfleet_quant_block() (the C file's layout),
+ * float32 scales and offsets (or NULL) per group. */
 enum { QUANT_INT4 = 0, QUANT_INT8 = 1 };
 typedef struct {
     const uint8_t *q;
     const float *scales, *offsets;
-    int32_t format, group;
+    int32_t format, group, block;
 } QuantWeight;
 int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
                          const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
                          int64_t k, int num_threads);
 int kvfleet_dequantize(const QuantWeight *w, float *out, int64_t n, int64_t k, int num_threads);
+/* The columns per block of this build's kernel (0: none), and 1 where its dot is AVX-512 VNNI's
+ * vpdpwssd (cpu_gemm_quant.max_rows picks its row limit by it). */
+int kvfleet_quant_block(void);
+int kvfleet_quant_fused_dot(void);
 
 /* cpu_elementwise.c */
 int kvfleet_add_rms_norm(const void *x, int64_t x_stride, float *residual, int has_residual,

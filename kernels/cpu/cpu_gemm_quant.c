@@ -1,153 +1,67 @@
-/* Projections of decode-sized steps through 4-bit and 8-bit weights, dequantized in registers:
- * y = x . W^T (+ bias), W the kernels' quantized layout (kernels/quant_weight.py: 32-weight runs
- * of packed nibbles or int8 values, a float32 scale and an optional float32 offset per group).
+/* Projections through 4-bit and 8-bit weights, dequantized in registers: y = x . W^T (+ bias), W
+ * in the CPU's column-blocked form of the kernels' quantized layout (kernels/quant_weight.py:
+ * `to_blocked` repacks each weight once, at load), any number of rows x.
  *
  * Why: a decode step streams every weight once per step, so its time is the bytes it reads. The
  * bundled model's Q4_1 file holds 0.6 bytes a weight; dequantized to float32 at start it streamed
  * 4 bytes a weight (bf16: 2). Here the packed bytes are read and widened to int16 words in
- * registers only. Converting each weight to float (a widen, a convert and an FMA per 8 weights
- * on AVX2) was no faster in an ad-hoc timing and keeps more work per weight, so the arithmetic
- * is integer instead: each run of 32 activations is rounded to int16 with a scale (its largest
- * magnitude maps to 32767), a run's dot product is one or two vpmaddwd, and its int32 sum is scaled into the float
- * accumulator by the activations' scale times the group's weight scale; an asymmetric format's
- * offsets add offset x (the group's float sum of x) once per group. The rounding of x costs at
- * most half an int16 step of its run's largest value per product: ~100x finer than bf16
- * activations, coarser than float32 (tests/kernels/test_cpu_gemm_quant.py bounds it).
+ * registers only, and the arithmetic is integer: each run of 32 activations is rounded to int16
+ * with a scale (its largest magnitude maps to 32767), products are summed in int32, and a run's
+ * sums are scaled into the float accumulators by the activations' scale times the group's
+ * weight scale; an asymmetric format's offsets add offset x (the group's float sum of x) once
+ * per group. The rounding of x costs at most half an int16 step of its run's largest value per
+ * product: ~100x finer than bf16 activations, coarser than float32
+ * (tests/kernels/test_cpu_gemm_quant.py bounds it).
  *
- * Shape of the work: columns (weight rows) are split between threads in tiles of NR; a tile's
- * NR weight rows are adjacent in memory (one contiguous stream). A micro-tile of MR rows by NR
- * columns keeps MR x NR = LANES vector accumulators (one transpose-and-add, cpu_math.h's reduce8
- * or reduce16, ends it); each run of 32 weights is widened once per micro-tile and used by its
- * MR rows: 4 x LANES/4 while four rows are left, then 2 x LANES/2 and 1 x LANES for the rest
- * (the tiles of a block of LANES columns). Past the kernel policy's quant_gemm_max_rows (8),
- * dequantizing the weight once per call (kvfleet_dequantize, the float form) into the float32
- * GEMM is faster.
+ * Why blocks of columns: a vector holds BLOCK columns' weights for two consecutive k (one int32
+ * lane per column, two int16 words in it), so one vpdpwssd (AVX-512 VNNI; vpmaddwd + vpaddd
+ * elsewhere) adds 2 x BLOCK products into per-column int32 sums: a run of 32 k is 16 of them per
+ * row, then one convert and one FMA for all BLOCK columns, whose sums are already in the lanes of
+ * their outputs. With one column's run per vector instead, every run ended in a convert and an
+ * FMA per column and every tile in a transpose: 2-3x the time of this form at 1-64 rows on a
+ * Zen 4, 1.1-1.5x with AVX2 (all but 2 rows).
  *
- * One source for AVX-512 (16 lanes) and AVX2 + FMA (8 lanes); the widening and the word dot are
- * the only instruction-set-specific parts.
+ * The layout, per block of BLOCK columns (the last one padded with zero weights and scales) and
+ * per run of 32 k:
+ * - int4, 16 x BLOCK bytes: four loads of 4 x BLOCK bytes. In load i, the byte at
+ *   (c / 4) * 16 + 2 * (c % 4) + e + 8 h is the row layout's byte j = 4i + 2h + e of column c
+ *   (its low nibble weight k = j, its high one k = j + 16). Masking the nibbles and unpacking
+ *   bytes to words within each 128-bit lane (h = 0: unpacklo, 1: unpackhi) gives the words of k
+ *   pair 2i + h (low nibbles) and 2i + h + 8 (high ones), column c in int32 lane c.
+ * - int8, 32 x BLOCK bytes: pair p (k = 2p, 2p + 1) at 2 x BLOCK p, column c's two values at
+ *   2c and 2c + 1; one sign-extending load makes its words.
+ * - Scales and offsets [blocks, groups, BLOCK]: a group's BLOCK values are one vector.
  *
- * Layouts: x [m, k] float32 with row stride x_stride; W as described, [n, k]; bias [n] or NULL;
- * out [m, n] with row stride out_stride. k a multiple of the group size, itself a multiple of 32.
+ * One source for AVX-512 (BLOCK 16) and AVX2 + FMA (BLOCK 8): the vector type is the parameter.
+ * Past the kernel policy's row limit (cpu_gemm_quant.max_rows), kvfleet_dequantize's float
+ * weight into the float32 GEMM is faster (AVX2 past 8 rows).
+ *
+ * Layouts: x [m, k] float32 with row stride x_stride; out [m, n] with row stride out_stride;
+ * bias [n] or NULL. k a multiple of the group size, itself a multiple of 32.
  */
 
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_entry_points.h"
 #include "cpu_math.h"
 
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3, ERR_FORMAT = 5 };
 
+/* Activation rows as the integer dot products read them: per run of 32 values, int16 values
+ * x / scale rounded to nearest (scale = the run's largest magnitude / 32767, so the largest maps
+ * to +-32767), the scale, and per weight group the float sum of x (for the offsets' term). */
 #define RUN 32 /* weights per unpacking step: 16 packed int4 bytes, 32 int8 values */
 
-#if defined(__AVX512F__)
-#define QGEMM_SIMD 1
-#define LANES 16
-typedef __m512 vec;
-#define vzero() _mm512_setzero_ps()
-#define vset1(x) _mm512_set1_ps(x)
-#define vloadu(p) _mm512_loadu_ps(p)
-#define vstoreu(p, v) _mm512_storeu_ps(p, v)
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define reduce_lanes reduce16
-/* A run of 32 int4 weights (16 bytes at p) as two vectors of floats 0..15: the low nibbles are
- * weights 0..15, the high ones 16..31. */
-static inline void unpack_int4(const uint8_t *p, vec out[RUN / LANES]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    out[1] = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-}
-static inline void unpack_int8(const uint8_t *p, vec out[RUN / LANES]) {
-    for (int v = 0; v < RUN / LANES; v++)
-        out[v] = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + v * LANES))));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define QGEMM_SIMD 1
-#define LANES 8
-typedef __m256 vec;
-#define vzero() _mm256_setzero_ps()
-#define vset1(x) _mm256_set1_ps(x)
-#define vloadu(p) _mm256_loadu_ps(p)
-#define vstoreu(p, v) _mm256_storeu_ps(p, v)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define reduce_lanes reduce8
-static inline void unpack_int4(const uint8_t *p, vec out[RUN / LANES]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-}
-static inline void unpack_int8(const uint8_t *p, vec out[RUN / LANES]) {
-    for (int v = 0; v < RUN / LANES; v++)
-        out[v] = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + v * LANES))));
-}
-#else
-#define QGEMM_SIMD 0
-#endif
-
-#if QGEMM_SIMD
-#if LANES == 16
-/* A run's 32 weights as int16 words in weight order (one vector), and its dot with the run's
- * 32 int16 activations: 16 int32 lanes of pair sums. */
-typedef __m512i wvec;
-#define INT4_X_ORDER(i) (i)
-static inline wvec words_int4(const uint8_t *p) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    return _mm512_cvtepu8_epi16(_mm256_set_m128i(high, low));
-}
-static inline wvec words_int8(const uint8_t *p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
-}
-static inline vec run_dot(wvec w, const int16_t *x) {
-    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
-}
-#else
-/* AVX2: a run's words as two vectors. int4 widens each 128-bit lane in place (cheaper than a
- * cross-lane widen): lo holds weights 0..7 and 16..23, hi 8..15 and 24..31, and the run's
- * int16 activations are stored in that order (INT4_X_ORDER) so that pair sums meet their
- * weights. int8 is widened across lanes (lo 0..15, hi 16..31): a load-and-widen is cheaper
- * there than the in-lane form. */
-typedef struct { __m256i lo, hi; } wvec;
-#define INT4_X_ORDER(i) (((i) & 7) | ((i) & 8) << 1 | ((i) & 16) >> 1)
-static inline wvec words_int4(const uint8_t *p) {
-    /* Both lanes hold the 16 bytes; the upper lane's shift by 4 leaves the high nibbles. */
-    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0), mask = _mm256_set1_epi8(0x0F);
-    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), mask);
-    const __m256i zero = _mm256_setzero_si256();
-    return (wvec){_mm256_unpacklo_epi8(nibbles, zero), _mm256_unpackhi_epi8(nibbles, zero)};
-}
-static inline wvec words_int8(const uint8_t *p) {
-    return (wvec){_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
-                  _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
-}
-static inline vec run_dot(wvec w, const int16_t *x) {
-    const __m256i a = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
-    const __m256i b = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
-}
-#endif
-
-/* The rows of x as the integer dot products read them: per run of 32 values, int16 values
- * x / scale rounded to nearest (scale = the run's largest magnitude / 32767, so the largest
- * maps to +-32767) in the order the weights' words take (INT4_X_ORDER for int4), the scale,
- * and per group the float sum of x (for the offsets' term). */
 typedef struct {
     int16_t *q;        /* [m, k] */
     float *scale;      /* [m, k / RUN] */
     float *group_sum;  /* [m, k / group] */
 } Rows16;
 
-static void quantize_run(const float *x, int16_t *q, float *scale, float *sum, int int4) {
+static inline void quantize_run(const float *x, int16_t *q, float *scale, float *sum) {
     float amax = 0.0f, total = 0.0f;
     for (int i = 0; i < RUN; i++) {
         const float a = x[i] < 0 ? -x[i] : x[i];
@@ -155,179 +69,391 @@ static void quantize_run(const float *x, int16_t *q, float *scale, float *sum, i
         total += x[i];
     }
     const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (int i = 0; i < RUN; i++)
-        q[int4 ? INT4_X_ORDER(i) : i] = (int16_t)__builtin_lrintf(x[i] * inv);
+    for (int i = 0; i < RUN; i++) q[i] = (int16_t)__builtin_lrintf(x[i] * inv);
     *scale = amax / 32767.0f;
     *sum = total;
 }
 
-/* One micro-tile: MR rows (indices rows[]) against NR = LANES / MR weight rows cols[]. Sums
- * come back in lane i * NR + j for row i, column j. Per run the weights become int16 words once
- * and serve the tile's MR rows: one multiply-add of words per 16 (AVX2) or 32 (AVX-512)
- * weights, its int32 sums scaled into float by the activations' and the group's scales. A
- * macro per (format, MR) so that the accumulators are registers. */
-#define QUANT_TILE(FMT, MR, BYTES_PER_RUN)                                                     \
-    static vec tile_##FMT##_##MR(const Rows16 *x, const int64_t *rows, const QuantWeight *w, \
-                                 const int64_t *cols, int64_t k) {                            \
-        enum { NR = LANES / (MR) };                                                            \
-        const int64_t runs = k / RUN, groups = k / w->group, runs_per_group = w->group / RUN;  \
-        const int64_t row_bytes = runs * (BYTES_PER_RUN);                                     \
-        vec acc[LANES];                                                                        \
-        _Pragma("GCC unroll 16") for (int t = 0; t < LANES; t++) acc[t] = vzero();             \
-        for (int64_t r = 0; r < runs; r++) {                                                   \
-            const int64_t g = r / runs_per_group;                                              \
-            _Pragma("GCC unroll 16") for (int j = 0; j < NR; j++) {                            \
-                const wvec wv = words_##FMT(w->q + cols[j] * row_bytes + r * (BYTES_PER_RUN)); \
-                const float ws = w->scales[cols[j] * groups + g];                              \
-                _Pragma("GCC unroll 4") for (int i = 0; i < (MR); i++) {                       \
-                    const int64_t row = rows[i];                                               \
-                    const vec dot = run_dot(wv, x->q + row * k + r * RUN);                     \
-                    acc[i * NR + j] =                                                          \
-                        vfma(dot, vset1(ws * x->scale[row * runs + r]), acc[i * NR + j]);      \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        return reduce_lanes(acc);                                                              \
+/* Room for m rows of k values with groups of `group` (NULL when out of memory; free() it). */
+static inline Rows16 rows16_alloc(int64_t m, int64_t k, int64_t group) {
+    const int64_t runs = k / RUN, groups = k / group;
+    char *buffer = malloc((size_t)m * (k * sizeof(int16_t) + (runs + groups) * sizeof(float)));
+    Rows16 rows = {(int16_t *)buffer, NULL, NULL};
+    if (buffer) {
+        rows.scale = (float *)(rows.q + m * k);
+        rows.group_sum = rows.scale + m * runs;
     }
-
-QUANT_TILE(int4, 1, 16)
-QUANT_TILE(int4, 2, 16)
-QUANT_TILE(int4, 4, 16)
-QUANT_TILE(int8, 1, 32)
-QUANT_TILE(int8, 2, 32)
-QUANT_TILE(int8, 4, 32)
-
-typedef vec (*tile_fn)(const Rows16 *, const int64_t *, const QuantWeight *, const int64_t *,
-                       int64_t);
-
-/* The micro-tile's rows for the `left` rows not yet done: more rows share each unpacked run,
- * and a step's last rows take a smaller tile rather than padding one (5 rows are 4 + 1, not
- * 4 + 4: a verify step of speculative decoding is such a step). */
-static inline int rows_per_tile(int64_t left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
-
-static tile_fn pick_tile(int format, int mr) {
-    if (format == QUANT_INT4) return mr == 1 ? tile_int4_1 : mr == 2 ? tile_int4_2 : tile_int4_4;
-    return mr == 1 ? tile_int8_1 : mr == 2 ? tile_int8_2 : tile_int8_4;
+    return rows;
 }
 
-/* Row `row`'s offset term for column `col`: sum over groups of offset * the group's x sum. */
-static inline float offset_term(const QuantWeight *w, const Rows16 *x, int64_t row, int64_t col,
-                                int64_t groups) {
-    float total = 0.0f;
-    const float *o = w->offsets + col * groups, *s = x->group_sum + row * groups;
-    for (int64_t g = 0; g < groups; g++) total += o[g] * s[g];
-    return total;
-}
-/* Rows m0 .. m0 + mr - 1 of out, columns n0 .. n0 + LANES / mr - 1 (those below n): one
- * micro-tile, its bias and its offsets' term. */
-static void quant_tile(const Rows16 *x, const QuantWeight *w, const float *bias, float *out,
-                       int64_t out_stride, int64_t m0, int mr, int64_t n0, int64_t n, int64_t k) {
-    const int nr = LANES / mr;
-    int64_t rows[4], cols[LANES];
-    for (int i = 0; i < mr; i++) rows[i] = m0 + i;
-    for (int j = 0; j < nr; j++) cols[j] = n0 + j < n ? n0 + j : n - 1;
-    float sums[LANES];
-    vstoreu(sums, pick_tile(w->format, mr)(x, rows, w, cols, k));
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr && n0 + j < n; j++) {
-            float y = sums[i * nr + j] + (bias ? bias[n0 + j] : 0.0f);
-            if (w->offsets) y += offset_term(w, x, m0 + i, n0 + j, k / w->group);
-            out[(m0 + i) * out_stride + n0 + j] = y;
+/* Row i of x (row stride x_stride) into rows: call from every thread of a team (omp for). */
+static inline void rows16_fill(Rows16 *rows, const float *x, int64_t x_stride, int64_t m,
+                               int64_t k, int64_t group) {
+    const int64_t runs = k / RUN, groups = k / group, runs_per_group = group / RUN;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t r = g * runs_per_group; r < (g + 1) * runs_per_group; r++) {
+                float run_sum;
+                quantize_run(x + i * x_stride + r * RUN, rows->q + i * k + r * RUN,
+                             &rows->scale[i * runs + r], &run_sum);
+                sum += run_sum;
+            }
+            rows->group_sum[i * groups + g] = sum;
         }
 }
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define BLOCK 16
+typedef __m512i ivec;
+typedef __m512 fvec;
+#define izero() _mm512_setzero_si512()
+#define iload(p) _mm512_loadu_si512((const void *)(p))
+#define iand(a, b) _mm512_and_si512(a, b)
+#define isrl4(a) _mm512_srli_epi16(a, 4)
+#define iset8(x) _mm512_set1_epi8(x)
+#define iset32(x) _mm512_set1_epi32(x)
+#define unpack_lo8(a, b) _mm512_unpacklo_epi8(a, b)
+#define unpack_hi8(a, b) _mm512_unpackhi_epi8(a, b)
+#define iadd32(a, b) _mm512_add_epi32(a, b)
+#define words_int8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define fzero() _mm512_setzero_ps()
+#define fload(p) _mm512_loadu_ps(p)
+#define fstore(p, v) _mm512_storeu_ps(p, v)
+#define fset1(x) _mm512_set1_ps(x)
+#define fmul(a, b) _mm512_mul_ps(a, b)
+#define fadd(a, b) _mm512_add_ps(a, b)
+#define ffma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define cvt_ps(a) _mm512_cvtepi32_ps(a)
+#if defined(__AVX512VNNI__)
+#define dot_add(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
+#define FUSED_DOT 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BLOCK 8
+typedef __m256i ivec;
+typedef __m256 fvec;
+#define izero() _mm256_setzero_si256()
+#define iload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define iand(a, b) _mm256_and_si256(a, b)
+#define isrl4(a) _mm256_srli_epi16(a, 4)
+#define iset8(x) _mm256_set1_epi8(x)
+#define iset32(x) _mm256_set1_epi32(x)
+#define unpack_lo8(a, b) _mm256_unpacklo_epi8(a, b)
+#define unpack_hi8(a, b) _mm256_unpackhi_epi8(a, b)
+#define iadd32(a, b) _mm256_add_epi32(a, b)
+#define words_int8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define fzero() _mm256_setzero_ps()
+#define fload(p) _mm256_loadu_ps(p)
+#define fstore(p, v) _mm256_storeu_ps(p, v)
+#define fset1(x) _mm256_set1_ps(x)
+#define fmul(a, b) _mm256_mul_ps(a, b)
+#define fadd(a, b) _mm256_add_ps(a, b)
+#define ffma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define cvt_ps(a) _mm256_cvtepi32_ps(a)
+#if defined(__AVXVNNI__)
+#define dot_add(acc, w, x) _mm256_dpwssd_avx_epi32(acc, w, x)
+#define FUSED_DOT 1
+#endif
+#endif
+
+#ifdef BLOCK
+#ifndef FUSED_DOT
+#define dot_add(acc, w, x) iadd32(acc, madd_words(w, x))
+#if BLOCK == 16
+#define madd_words(w, x) _mm512_madd_epi16(w, x)
+#else
+#define madd_words(w, x) _mm256_madd_epi16(w, x)
+#endif
+/* vpmaddwd + vpaddd: the add's one-cycle latency is the only chain. */
+#define CHAINS(mr) 1
+#else
+/* A fused dot's latency (4-5 cycles) would bind a single chain of 16 per run: 4 independent
+ * sums per row, 2 when four rows already interleave. */
+#define CHAINS(mr) ((mr) == 4 ? 2 : 4)
+#endif
+
+enum { MAX_TILE_ROWS = 4, ROW_CHUNK = 64 };
+
+/* Activation pair p of a run (its int16 values 2p and 2p + 1) as one int32, to broadcast. */
+static inline int32_t pair_at(const int16_t *run, int p) {
+    int32_t v;
+    memcpy(&v, run + 2 * p, sizeof v);
+    return v;
+}
+
+/* Rows m0 .. m0 + mr - 1 against column block cb of an int4 (or int8) weight: each row's BLOCK
+ * sums (without bias) in sums[]. Inlined per format and mr so that the accumulators are
+ * registers. */
+static inline __attribute__((always_inline)) void block_tile(const Rows16 *x, int64_t k,
+                                                             const QuantWeight *w, int64_t cb,
+                                                             int64_t m0, const int int4,
+                                                             const int mr,
+                                                             fvec sums[MAX_TILE_ROWS]) {
+    const int chains = CHAINS(mr);
+    const int64_t runs = k / RUN, groups = k / w->group, runs_per_group = w->group / RUN;
+    const int64_t run_bytes = (int4 ? RUN / 2 : RUN) * BLOCK;
+    const uint8_t *q = w->q + cb * runs * run_bytes;
+    const float *scales = w->scales + cb * groups * BLOCK;
+    const float *offsets = w->offsets ? w->offsets + cb * groups * BLOCK : NULL;
+    const ivec mask = iset8(0x0F), zero = izero();
+    fvec acc[MAX_TILE_ROWS];
+    for (int j = 0; j < mr; j++) acc[j] = fzero();
+    for (int64_t g = 0; g < groups; g++) {
+        const fvec scale = fload(scales + g * BLOCK);
+        for (int64_t r = g * runs_per_group; r < (g + 1) * runs_per_group; r++) {
+            const uint8_t *p = q + r * run_bytes;
+            const int16_t *xr[MAX_TILE_ROWS];
+            ivec dots[MAX_TILE_ROWS][4];
+            for (int j = 0; j < mr; j++) {
+                xr[j] = x->q + (m0 + j) * k + r * RUN;
+                for (int c = 0; c < chains; c++) dots[j][c] = zero;
+            }
+            /* Four word vectors at a time: int4's load i (pairs 2i, 2i + 1 from its low
+             * nibbles, 2i + 8, 2i + 9 from its high ones), int8's pairs 4i .. 4i + 3. Spelled
+             * out per format: a shared loop over an array of pair indices timed slower for
+             * int8 in one ad-hoc run (its broadcasts spilled), on a host whose speed drifts. */
+            if (int4) {
+                for (int i = 0; i < 4; i++) {
+                    const ivec bytes = iload(p + i * 4 * BLOCK);
+                    const ivec lo = iand(bytes, mask), hi = iand(isrl4(bytes), mask);
+                    const ivec w0 = unpack_lo8(lo, zero), w1 = unpack_hi8(lo, zero);
+                    const ivec w2 = unpack_lo8(hi, zero), w3 = unpack_hi8(hi, zero);
+                    for (int j = 0; j < mr; j++) {
+                        ivec d = dots[j][i % chains];
+                        d = dot_add(d, w0, iset32(pair_at(xr[j], 2 * i)));
+                        d = dot_add(d, w1, iset32(pair_at(xr[j], 2 * i + 1)));
+                        d = dot_add(d, w2, iset32(pair_at(xr[j], 2 * i + 8)));
+                        d = dot_add(d, w3, iset32(pair_at(xr[j], 2 * i + 9)));
+                        dots[j][i % chains] = d;
+                    }
+                }
+            } else {
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t *at = p + 4 * i * 2 * BLOCK;
+                    const ivec w0 = words_int8(at), w1 = words_int8(at + 2 * BLOCK);
+                    const ivec w2 = words_int8(at + 4 * BLOCK), w3 = words_int8(at + 6 * BLOCK);
+                    for (int j = 0; j < mr; j++) {
+                        ivec d = dots[j][i % chains];
+                        d = dot_add(d, w0, iset32(pair_at(xr[j], 4 * i)));
+                        d = dot_add(d, w1, iset32(pair_at(xr[j], 4 * i + 1)));
+                        d = dot_add(d, w2, iset32(pair_at(xr[j], 4 * i + 2)));
+                        d = dot_add(d, w3, iset32(pair_at(xr[j], 4 * i + 3)));
+                        dots[j][i % chains] = d;
+                    }
+                }
+            }
+            for (int j = 0; j < mr; j++) {
+                ivec d = dots[j][0];
+                for (int c = 1; c < chains; c++) d = iadd32(d, dots[j][c]);
+                const fvec step = fmul(scale, fset1(x->scale[(m0 + j) * runs + r]));
+                acc[j] = ffma(cvt_ps(d), step, acc[j]);
+            }
+        }
+        if (offsets) {
+            const fvec offset = fload(offsets + g * BLOCK);
+            for (int j = 0; j < mr; j++)
+                acc[j] = ffma(offset, fset1(x->group_sum[(m0 + j) * groups + g]), acc[j]);
+        }
+    }
+    for (int j = 0; j < mr; j++) sums[j] = acc[j];
+}
+
+/* A tile's rows into out, with bias, for the columns of block cb below n. */
+static void store_tile(const Rows16 *x, const QuantWeight *w, const float *bias, float *out,
+                       int64_t out_stride, int64_t m0, int mr, int64_t cb, int64_t n, int64_t k) {
+    fvec sums[MAX_TILE_ROWS];
+    /* One copy per format and row count: each keeps its own registers. */
+    if (w->format == QUANT_INT4) {
+        if (mr == 4)
+            block_tile(x, k, w, cb, m0, 1, 4, sums);
+        else if (mr == 2)
+            block_tile(x, k, w, cb, m0, 1, 2, sums);
+        else
+            block_tile(x, k, w, cb, m0, 1, 1, sums);
+    } else {
+        if (mr == 4)
+            block_tile(x, k, w, cb, m0, 0, 4, sums);
+        else if (mr == 2)
+            block_tile(x, k, w, cb, m0, 0, 2, sums);
+        else
+            block_tile(x, k, w, cb, m0, 0, 1, sums);
+    }
+    const int64_t n0 = cb * BLOCK;
+    for (int j = 0; j < mr; j++) {
+        float *row = out + (m0 + j) * out_stride + n0;
+        if (n0 + BLOCK <= n) {
+            fstore(row, bias ? fadd(sums[j], fload(bias + n0)) : sums[j]);
+        } else {
+            float lanes[BLOCK];
+            fstore(lanes, sums[j]);
+            for (int64_t c = 0; c < n - n0; c++) row[c] = lanes[c] + (bias ? bias[n0 + c] : 0.0f);
+        }
+    }
+}
+
+int kvfleet_quant_block(void) { return BLOCK; }
+
+#ifdef FUSED_DOT
+int kvfleet_quant_fused_dot(void) { return 1; }
+#else
+int kvfleet_quant_fused_dot(void) { return 0; }
 #endif
 
 /* Whether w and k describe a weight this kernel reads. */
 static int valid(const QuantWeight *w, int64_t n, int64_t k) {
     return w && w->q && w->scales && n >= 1 && k >= 1 && w->group >= RUN &&
-           w->group % RUN == 0 && k % w->group == 0 &&
+           w->group % RUN == 0 && k % w->group == 0 && w->block == BLOCK &&
            (w->format == QUANT_INT4 || (w->format == QUANT_INT8 && !w->offsets));
 }
 
 int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
                          const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
                          int64_t k, int num_threads) {
-#if !QGEMM_SIMD
+    if (m < 1 || x_stride < k || out_stride < n) return ERR_SHAPE;
+    if (!valid(w, n, k)) return ERR_FORMAT;
+    Rows16 rows = rows16_alloc(m, k, w->group);
+    if (!rows.q) return ERR_NOMEM;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+        rows16_fill(&rows, x, x_stride, m, k, w->group);
+        /* Threads split the column blocks; a block's weights stay in L1 while up to ROW_CHUNK
+         * rows (their int16 values in L2) pass over them, four at a time. */
+        for (int64_t lo = 0; lo < m; lo += ROW_CHUNK) {
+            const int64_t hi = lo + ROW_CHUNK < m ? lo + ROW_CHUNK : m;
+#pragma omp for schedule(static)
+            for (int64_t cb = 0; cb < blocks; cb++)
+                for (int64_t m0 = lo; m0 < hi;) {
+                    const int mr = hi - m0 >= 4 ? 4 : hi - m0 >= 2 ? 2 : 1;
+                    store_tile(&rows, w, bias, out, out_stride, m0, mr, cb, n, k);
+                    m0 += mr;
+                }
+        }
+    }
+    free(rows.q);
+    return OK;
+}
+
+/* A run's 16 pair vectors (k pair p in vector p, column c in int32 lane c), as the GEMM reads
+ * them. */
+static inline void run_pairs(const uint8_t *p, int int4, ivec pairs[RUN / 2]) {
+    if (int4) {
+        const ivec mask = iset8(0x0F), zero = izero();
+        for (int i = 0; i < 4; i++) {
+            const ivec bytes = iload(p + i * 4 * BLOCK);
+            const ivec lo = iand(bytes, mask), hi = iand(isrl4(bytes), mask);
+            pairs[2 * i] = unpack_lo8(lo, zero), pairs[2 * i + 1] = unpack_hi8(lo, zero);
+            pairs[2 * i + 8] = unpack_lo8(hi, zero), pairs[2 * i + 9] = unpack_hi8(hi, zero);
+        }
+    } else {
+        for (int pair = 0; pair < RUN / 2; pair++) pairs[pair] = words_int8(p + pair * 2 * BLOCK);
+    }
+}
+
+#if BLOCK == 16
+/* m[i] lane j <-> m[j] lane i for 16 x 16 int32: in-lane unpacks make 4 x 4 blocks, two 128-bit
+ * lane shuffles put them in place. */
+static inline void transpose_pairs(ivec m[16]) {
+    ivec t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(m[2 * i], m[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const ivec even_a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        const ivec odd_a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        const ivec even_b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const ivec odd_b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        m[j] = _mm512_shuffle_i32x4(even_a, even_b, 0x88);
+        m[8 + j] = _mm512_shuffle_i32x4(even_a, even_b, 0xDD);
+        m[4 + j] = _mm512_shuffle_i32x4(odd_a, odd_b, 0x88);
+        m[12 + j] = _mm512_shuffle_i32x4(odd_a, odd_b, 0xDD);
+    }
+}
+#define widen_lo(v) _mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))
+#define widen_hi(v) _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))
+#else
+/* The same for each 8 x 8 half of 16 x 8 int32 (m[0..7], m[8..15]). */
+static inline void transpose_pairs(ivec m[16]) {
+    for (int h = 0; h < 16; h += 8) {
+        ivec *r = m + h, t[8], u[8];
+        for (int i = 0; i < 4; i++) {
+            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 2; i++) {
+            u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int j = 0; j < 4; j++) {
+            r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+            r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+        }
+    }
+}
+#define widen_lo(v) _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v))
+#define widen_hi(v) _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1))
+#endif
+
+/* The float32 [n, k] weight w stands for, row by row into out (for steps past the policy's rows
+ * for the kernel above: their GEMM then runs on the float paths). Per run, the block's pair
+ * vectors are transposed so that a vector holds one column's pairs, i.e. its weights in k
+ * order, then widened and scaled: scale x q + offset in one FMA, the same values as
+ * kernels/quant_weight.dequantize. */
+int kvfleet_dequantize(const QuantWeight *w, float *out, int64_t n, int64_t k, int num_threads) {
+    if (!valid(w, n, k)) return ERR_FORMAT;
+    const int int4 = w->format == QUANT_INT4;
+    const int64_t runs = k / RUN, groups = k / w->group, blocks = (n + BLOCK - 1) / BLOCK;
+    const int64_t run_bytes = (int4 ? RUN / 2 : RUN) * BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t cb = 0; cb < blocks; cb++) {
+        const int64_t cols = n - cb * BLOCK < BLOCK ? n - cb * BLOCK : BLOCK;
+        for (int64_t r = 0; r < runs; r++) {
+            const int64_t at = (cb * groups + r / (w->group / RUN)) * BLOCK;
+            ivec pairs[RUN / 2];
+            run_pairs(w->q + (cb * runs + r) * run_bytes, int4, pairs);
+            transpose_pairs(pairs);
+            for (int64_t c = 0; c < cols; c++) {
+                const fvec scale = fset1(w->scales[at + c]);
+                const fvec offset = fset1(w->offsets ? w->offsets[at + c] : 0.0f);
+                float *row = out + (cb * BLOCK + c) * k + r * RUN;
+                /* Vector v * BLOCK + c holds the column's pairs v * BLOCK.., k 2 v BLOCK... */
+                for (int v = 0; v < RUN / 2 / BLOCK; v++) {
+                    const ivec words = pairs[v * BLOCK + c];
+                    fstore(row + 2 * v * BLOCK, ffma(cvt_ps(widen_lo(words)), scale, offset));
+                    fstore(row + (2 * v + 1) * BLOCK,
+                           ffma(cvt_ps(widen_hi(words)), scale, offset));
+                }
+            }
+        }
+    }
+    return OK;
+}
+#else
+int kvfleet_quant_block(void) { return 0; }
+int kvfleet_quant_fused_dot(void) { return 0; }
+
+int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
+                         const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
+                         int64_t k, int num_threads) {
     (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)out_stride, (void)m, (void)n;
     (void)k, (void)num_threads;
     return ERR_NO_SIMD;
-#else
-    if (m < 1 || x_stride < k || out_stride < n) return ERR_SHAPE;
-    if (!valid(w, n, k)) return ERR_FORMAT;
-    const int64_t runs = k / RUN, groups = k / w->group, runs_per_group = w->group / RUN;
-    char *buffer = malloc((size_t)m * (k * sizeof(int16_t) + (runs + groups) * sizeof(float)));
-    if (!buffer) return ERR_NOMEM;
-    Rows16 rows16 = {(int16_t *)buffer, NULL, NULL};
-    rows16.scale = (float *)(rows16.q + m * k);
-    rows16.group_sum = rows16.scale + m * runs;
-    const int team = num_threads < 1 ? 1 : num_threads;
-    /* A block of LANES columns (weight rows) per thread step; each pass of rows over it unpacks
-     * the block's weights once (they stay in L1 between passes). */
-    const int64_t col_blocks = (n + LANES - 1) / LANES;
-#pragma omp parallel num_threads(team)
-    {
-        /* A few dozen runs a row: one thread's work unless the step is large. */
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) {
-            for (int64_t g = 0; g < groups; g++) {
-                float sum = 0.0f;
-                for (int64_t r = g * runs_per_group; r < (g + 1) * runs_per_group; r++) {
-                    float run_sum;
-                    quantize_run(x + i * x_stride + r * RUN, rows16.q + i * k + r * RUN,
-                                 &rows16.scale[i * runs + r], &run_sum, w->format == QUANT_INT4);
-                    sum += run_sum;
-                }
-                rows16.group_sum[i * groups + g] = sum;
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t cb = 0; cb < col_blocks; cb++) {
-            const int64_t lo = cb * LANES, hi = lo + LANES < n ? lo + LANES : n, m4 = m / 4 * 4;
-            /* Four-row passes a few columns at a time (each column's runs stay in L1 from pass
-             * to pass), then the last rows over the whole block. */
-            for (int64_t n0 = lo; n0 < hi && m4; n0 += LANES / 4)
-                for (int64_t m0 = 0; m0 < m4; m0 += 4)
-                    quant_tile(&rows16, w, bias, out, out_stride, m0, 4, n0, n, k);
-            for (int64_t m0 = m4; m0 < m; m0 += rows_per_tile(m - m0))
-                for (int64_t n0 = lo; n0 < hi; n0 += LANES / rows_per_tile(m - m0))
-                    quant_tile(&rows16, w, bias, out, out_stride, m0, rows_per_tile(m - m0), n0,
-                               n, k);
-        }
-    }
-    free(buffer);
-    return OK;
-#endif
 }
 
-/* The float32 [n, k] weight w stands for, row by row into out (for steps too large for the
- * kernel above: their GEMM then runs on the float paths). The same FMA as the GEMM's, so the
- * same values as kernels/quant_weight.dequantize. */
 int kvfleet_dequantize(const QuantWeight *w, float *out, int64_t n, int64_t k, int num_threads) {
-#if !QGEMM_SIMD
     (void)w, (void)out, (void)n, (void)k, (void)num_threads;
     return ERR_NO_SIMD;
-#else
-    if (!valid(w, n, k)) return ERR_FORMAT;
-    const int64_t groups = k / w->group, runs_per_group = w->group / RUN;
-    const int64_t run_bytes = w->format == QUANT_INT4 ? 16 : 32, row_bytes = k / RUN * run_bytes;
-#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
-    for (int64_t row = 0; row < n; row++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const vec scale = vset1(w->scales[row * groups + g]);
-            const vec offset = w->offsets ? vset1(w->offsets[row * groups + g]) : vzero();
-            for (int64_t r = 0; r < runs_per_group; r++) {
-                const int64_t run = g * runs_per_group + r;
-                const uint8_t *p = w->q + row * row_bytes + run * run_bytes;
-                vec q[RUN / LANES];
-                if (w->format == QUANT_INT4)
-                    unpack_int4(p, q);
-                else
-                    unpack_int8(p, q);
-                for (int v = 0; v < RUN / LANES; v++)
-                    vstoreu(out + row * k + run * RUN + v * LANES, vfma(q[v], scale, offset));
-            }
-        }
-    }
-    return OK;
-#endif
 }
+#endif

@@ -1,8 +1,9 @@
-"""Projections through 4-bit and 8-bit weights on CPU (kernels/cpu/cpu_gemm_quant.c): decode-
-sized float32 steps read the packed weight and widen it to int16 in registers, so a step streams
-the quantized bytes (the bundled model's Q4_1 layers: 0.75 bytes a weight as held here, against
-4 in float32); larger steps dequantize the weight once per call, in C, into a reused buffer for
-the float32 GEMM, where the multiply outweighs that pass. The in-register kernel rounds each
+"""Projections through 4-bit and 8-bit weights on CPU (kernels/cpu/cpu_gemm_quant.c): float32
+steps up to the policy's rows read the packed weight and widen it to int16 in registers, so a
+step streams the quantized bytes (the bundled model's Q4_1 layers: 0.75 bytes a weight as held
+here, against 4 in float32); larger steps dequantize the weight once per call, in C, into a
+reused buffer for the float32 GEMM, where the multiply outweighs that pass (AVX2 past 8 rows).
+Weights are repacked at load into the kernel's column blocks (`pack`). The kernel rounds each
 activation to a 16-bit integer of its run of 32 (see the C file): results differ from the
 float32 GEMM on the dequantized weight (`quant_weight.dequantize`) by far less than bf16
 activations would, by more than float32 summation order alone."""
@@ -14,7 +15,7 @@ import ctypes
 import torch
 from kvfleet.kernels.cpu import cpu_gemm_f32, cpu_library
 from kvfleet.kernels.policy import KernelPolicy
-from kvfleet.kernels.quant_weight import QuantizedWeight, dequantize
+from kvfleet.kernels.quant_weight import QuantizedWeight, dequantize, to_blocked
 
 # cpu_entry_points.h's QUANT_* codes: the formats the C kernel reads (fp8 has no CPU kernel:
 # no x86 CPU here computes in it, so its weights are dequantized at load).
@@ -30,6 +31,7 @@ class QuantWeightStruct(ctypes.Structure):
         ("offsets", ctypes.c_void_p),
         ("format", ctypes.c_int32),
         ("group", ctypes.c_int32),
+        ("block", ctypes.c_int32),
     ]
 
 
@@ -39,13 +41,43 @@ def available() -> bool:
     return cpu_gemm_f32.available()
 
 
-def supports(weight: object) -> bool:
-    """A CPU weight in a format the C kernel reads."""
+def block_columns() -> int:
+    """Columns per block of the blocked layout this build's kernel reads (its vector width: 16
+    with AVX-512, 8 with AVX2); 0 where the kernel does not run."""
+    return cpu_library.library().kvfleet_quant_block() if available() else 0
+
+
+def fused_dot() -> bool:
+    """Whether this build's kernel adds products with AVX-512 VNNI's fused dot."""
+    return available() and bool(cpu_library.library().kvfleet_quant_fused_dot())
+
+
+def max_rows(policy: KernelPolicy) -> int:
+    """The most rows a projection may have to run on the kernel under `policy`: its row limit
+    for this build's dot (vnni_quant_gemm_max_rows with the fused dot, else quant_gemm_max_rows)."""
+    return policy.vnni_quant_gemm_max_rows if fused_dot() else policy.quant_gemm_max_rows
+
+
+def _readable(weight: object) -> bool:
     return (
         isinstance(weight, QuantizedWeight)
         and weight.format in _FORMAT_CODES
         and weight.device.type == "cpu"
+        and block_columns() > 0
     )
+
+
+def supports(weight: object) -> bool:
+    """A CPU weight the C kernels read: int4 or int8, packed for this build (`pack`)."""
+    return _readable(weight) and weight.block == block_columns()
+
+
+def pack(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` in the column blocks of this build's kernel (the C file says why and how), or
+    unchanged where the kernel does not read its format. Call once, at load."""
+    if weight.block or not _readable(weight):
+        return weight
+    return to_blocked(weight, block_columns())
 
 
 def c_struct(weight: QuantizedWeight) -> QuantWeightStruct:
@@ -58,22 +90,22 @@ def c_struct(weight: QuantizedWeight) -> QuantWeightStruct:
             weight.offsets.data_ptr() if weight.offsets is not None else None,
             _FORMAT_CODES[weight.format],
             weight.group_size,
+            weight.block,
         )
     return weight.native
 
 
 def takes(x: torch.Tensor, weight: QuantizedWeight, *, policy: KernelPolicy) -> bool:
     """Whether `linear(x, weight)` runs the in-register kernel under `policy`: float32 CPU rows
-    with a contiguous last dimension, 1 to the policy's `quant_gemm_max_rows` of them."""
+    with a contiguous last dimension, 1 to `max_rows(policy)` of them."""
     rows = x.numel() // max(x.shape[-1], 1)
     return (
         x.dtype == torch.float32
         and x.device.type == "cpu"
         and x.stride(-1) == 1
         and x.shape[-1] == weight.in_features
-        and 1 <= rows <= policy.quant_gemm_max_rows
+        and 1 <= rows <= max_rows(policy)
         and supports(weight)
-        and available()
     )
 
 

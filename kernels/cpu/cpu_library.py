@@ -112,6 +112,8 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_linear_quant": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     # weight, out, n, k, num_threads
     "kvfleet_dequantize": [_p, _p, _i64, _i64, _i],
+    "kvfleet_quant_block": [],
+    "kvfleet_quant_fused_dot": [],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
     # table_stride, seq_lens, allow_amx, num_threads (bf16: then the GEMM kernel)
     "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i, _i],

@@ -17,6 +17,7 @@ GEMM_ROW_LIMITS = (
     "avx512_bf16_gemm_max_rows",
     "f32_gemm_max_rows",
     "quant_gemm_max_rows",
+    "vnni_quant_gemm_max_rows",
 )
 
 

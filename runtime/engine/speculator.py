@@ -191,7 +191,9 @@ def verify_row_limit(core: EngineCore) -> int:
 
     layer = core.model.layers[0]
     if any(isinstance(getattr(layer, name, None), QuantizedWeight) for name in PROJECTIONS):
-        return core.model.kernels.policy.quant_gemm_max_rows
+        from kvfleet.kernels.cpu import cpu_gemm_quant
+
+        return cpu_gemm_quant.max_rows(core.model.kernels.policy)
     return 0
 
 

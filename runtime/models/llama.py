@@ -38,13 +38,15 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _prepack(module: nn.Module, name: str, arena: HugePageArena | None) -> None:
+def _prepack(
+    module: nn.Module, name: str, arena: HugePageArena | None, policy: KernelPolicy
+) -> None:
     """Replace parameter `name` with its prepacked form, a plain attribute (an opaque tensor is
     no Parameter); the plain weight is freed unless something else holds it. A weight that
     only moved (the same tensor in `arena`) stays the same Parameter with new storage, so a
     tied LM head stays the embedding table."""
     weight = getattr(module, name)
-    packed = dispatch.prepack_linear_weight(weight, arena)
+    packed = dispatch.prepack_linear_weight(weight, arena, policy)
     if packed is weight:
         return
     if isinstance(packed, torch.Tensor) and isinstance(weight, nn.Parameter):
@@ -211,8 +213,8 @@ class LlamaModel(nn.Module):
         arena = dispatch.memory_arena(self.embed_tokens.device)
         for layer in self.layers:
             for name in PROJECTIONS:
-                _prepack(layer, name, arena)
-        _prepack(self, "lm_head", arena)
+                _prepack(layer, name, arena, self.kernels.policy)
+        _prepack(self, "lm_head", arena, self.kernels.policy)
 
     def build_decode_stack(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

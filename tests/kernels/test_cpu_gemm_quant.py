@@ -17,12 +17,15 @@ from kvfleet.kernels.quant_weight import (
     dequantize,
     pack_int4,
     quantize_int4,
+    to_blocked,
+    to_rows,
     unpack_int4,
 )
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_enabled")
 KERNELS = dispatch.Kernels()
-MAX_ROWS = DEFAULT_POLICY.quant_gemm_max_rows
+# Row counts: every tile shape (4, 2 and 1-row tiles) and a step past the kernel's row chunk of 64.
+ROWS = sorted({1, 2, 3, 4, 5, 6, 7, 8, 17, 70})
 
 
 def _need_kernel():
@@ -65,7 +68,7 @@ def test_int4_layout_round_trips_in_gguf_order():
     assert torch.equal(unpack_int4(packed), q)
 
 
-@pytest.mark.parametrize("rows", sorted({1, 2, 3, 4, 5, 6, 7, 17, MAX_ROWS}))
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("fmt", ["int4", "int4-symmetric", "int8"])
 @pytest.mark.parametrize("n,k,group", [(1, 32, 32), (13, 64, 32), (960, 576, 32), (72, 1536, 128)])
 def test_matches_the_dequantized_product(rows, fmt, n, k, group):
@@ -77,37 +80,73 @@ def test_matches_the_dequantized_product(rows, fmt, n, k, group):
         w = int4_weight(n, k, group, gen, offsets=fmt == "int4")
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen) if rows % 2 else None
-    assert_one_dot_rounding(cpu_gemm_quant.linear(x, w, bias), x, w, bias)
+    got = cpu_gemm_quant.linear(x, cpu_gemm_quant.pack(w), bias)
+    assert_one_dot_rounding(got, x, w, bias)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("n", [1, 13, 16, 40])
+def test_the_blocked_layout_holds_the_same_weight(fmt, n):
+    """Packing reorders bytes and pads the last block: the weight it stands for is the same,
+    and unpacking gives back the row layout's bytes."""
+    gen = torch.Generator().manual_seed(n)
+    w = int4_weight(n, 128, 64, gen) if fmt == "int4" else int8_weight(n, 128, 32, gen)
+    for block in (8, 16):
+        packed = to_blocked(w, block)
+        assert packed.qweight.shape[0] == -(-n // block)
+        assert torch.equal(dequantize(packed), dequantize(w))
+        back = to_rows(packed)
+        assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+    with pytest.raises(ValueError, match="to_blocked"):
+        to_blocked(packed, 16)
 
 
 def test_reads_rows_with_a_stride_and_leading_dimensions():
     _need_kernel()
     gen = torch.Generator().manual_seed(3)
     w = int4_weight(40, 64, 32, gen)
+    packed = cpu_gemm_quant.pack(w)
     wide = torch.randn(2, 3, 100, generator=gen)
     x = wide[..., 10:74]  # rows 100 apart, the last dimension contiguous
-    got = cpu_gemm_quant.linear(x, w)
+    got = cpu_gemm_quant.linear(x, packed)
     assert got.shape == (2, 3, 40)
     assert_one_dot_rounding(got.reshape(6, 40), x.reshape(6, 64), w)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_dequantize_pass_gives_the_specifications_values(fmt):
+@pytest.mark.parametrize("n", [33, 48])
+def test_dequantize_pass_gives_the_specifications_values(fmt, n):
     _need_kernel()
     gen = torch.Generator().manual_seed(5)
-    w = int4_weight(33, 256, 128, gen) if fmt == "int4" else int8_weight(33, 256, 32, gen)
-    assert torch.equal(cpu_gemm_quant.dequantized(w, torch.float32), dequantize(w))
+    w = int4_weight(n, 256, 128, gen) if fmt == "int4" else int8_weight(n, 256, 32, gen)
+    got = cpu_gemm_quant.dequantized(cpu_gemm_quant.pack(w), torch.float32)
+    assert torch.equal(got, dequantize(w))
 
 
-def test_dispatch_routes_by_rows_and_matches_across_the_limit():
+@pytest.mark.parametrize("limit", [8, 20])
+def test_dispatch_routes_by_rows_and_matches_across_the_limit(limit):
     _need_kernel()
     gen = torch.Generator().manual_seed(9)
-    w = int4_weight(96, 128, 32, gen)
-    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
-        path = KERNELS.linear_path(w, rows)
-        assert (path == dispatch.PATH_DEQUANTIZED) == (rows > MAX_ROWS)
+    w = cpu_gemm_quant.pack(int4_weight(96, 128, 32, gen))
+    policy = dataclasses.replace(
+        DEFAULT_POLICY, quant_gemm_max_rows=limit, vnni_quant_gemm_max_rows=limit
+    )
+    kernels = dispatch.Kernels(policy)
+    assert cpu_gemm_quant.max_rows(policy) == limit
+    for rows in (1, limit, limit + 1):
+        path = kernels.linear_path(w, rows)
+        assert (path == dispatch.PATH_DEQUANTIZED) == (rows > limit)
         x = torch.randn(rows, 128, generator=gen)
-        assert_one_dot_rounding(KERNELS.linear(x, w), x, w)
+        assert_one_dot_rounding(kernels.linear(x, w), x, w)
+
+
+def test_a_model_s_cpu_weights_are_packed_once_at_load():
+    _need_kernel()
+    w = int4_weight(40, 64, 32, torch.Generator().manual_seed(2))
+    packed = dispatch.prepack_linear_weight(w)
+    assert packed.block == cpu_gemm_quant.block_columns() > 0
+    assert cpu_gemm_quant.pack(packed) is packed
+    assert torch.equal(dequantize(packed), dequantize(w))
 
 
 def test_bf16_rows_get_bf16_results_of_the_float32_product():
@@ -115,7 +154,7 @@ def test_bf16_rows_get_bf16_results_of_the_float32_product():
     gen = torch.Generator().manual_seed(11)
     w = int4_weight(64, 64, 32, gen)
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
-    got = KERNELS.linear(x, w)
+    got = KERNELS.linear(x, cpu_gemm_quant.pack(w))
     assert got.dtype == torch.bfloat16
     want = F.linear(x.float(), dequantize(w)).to(torch.bfloat16)
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -1,7 +1,8 @@
 """The fused decode step and the one-call step from token ids to logits run quantized models too
 (4-bit projections, and the bundled GGUF's 8-bit LM head) with the per-op path's bits: in
-registers up to the policy's quant_gemm_max_rows, dequantized into the float32 GEMM past it,
-and leave steps past that GEMM's rows (MKL's in the per-op path) to the per-op path."""
+registers up to the kernel's row limit (`cpu_gemm_quant.max_rows`: 8 rows without AVX-512
+VNNI, every step with it), dequantized into the float32 GEMM past it, and leave steps past both
+GEMMs' rows (MKL's in the per-op path) to the per-op path."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from kvfleet.runtime.models.loader import load_model
 from paged_decoder import Decoder, count_fused_steps
 from quantized_checkpoints import write_quantized
 
-MAX_ROWS = DEFAULT_POLICY.quant_gemm_max_rows  # in registers; past it dequantized
+MAX_ROWS = DEFAULT_POLICY.quant_gemm_max_rows  # in registers without VNNI; past it dequantized
 F32_ROWS = DEFAULT_POLICY.f32_gemm_max_rows
+# The most rows a fused quantized step takes on this build: past them the per-op path runs MKL.
+FUSED_ROWS = max(cpu_gemm_quant.max_rows(DEFAULT_POLICY), F32_ROWS)
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +55,8 @@ def test_fused_quantized_steps_match_the_per_op_loop(num_seqs, awq_dir, monkeypa
         assert torch.equal(fused.decode(), per_op.decode())
     for (k1, v1), (k2, v2) in zip(fused.kv, per_op.kv, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    # Past the float32 GEMM's rows the per-op path runs MKL: the fused step stays out.
-    assert calls == ([num_seqs] * 3 if num_seqs <= F32_ROWS else [])
+    # Past both GEMMs' rows the per-op path runs MKL: the fused step stays out.
+    assert calls == ([num_seqs] * 3 if num_seqs <= FUSED_ROWS else [])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def bundled_net() -> LlamaModel:
         return _model("bundled")
 
 
-@pytest.mark.parametrize("num_seqs", [1, MAX_ROWS + 2])  # in registers; dequantized
+@pytest.mark.parametrize("num_seqs", [1, MAX_ROWS + 2])  # in registers; past 8 without VNNI
 def test_one_call_logits_through_the_bundled_q8_head(num_seqs, bundled_net):
     net = bundled_net
     assert net.lm_head.format == "int8"
