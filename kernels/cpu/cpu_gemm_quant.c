@@ -69,7 +69,9 @@ static inline void quantize_run(const float *x, int16_t *q, float *scale, float 
         total += x[i];
     }
     const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (int i = 0; i < RUN; i++) q[i] = (int16_t)__builtin_lrintf(x[i] * inv);
+    /* rintf rounds as lrintf does (to nearest, ties to even) but compiles to an instruction
+     * where lrintf is a libm call per value. */
+    for (int i = 0; i < RUN; i++) q[i] = (int16_t)(int32_t)rintf(x[i] * inv);
     *scale = amax / 32767.0f;
     *sum = total;
 }
@@ -175,7 +177,7 @@ typedef __m256 fvec;
 #define CHAINS(mr) ((mr) == 4 ? 2 : 4)
 #endif
 
-enum { MAX_TILE_ROWS = 4, ROW_CHUNK = 64 };
+enum { MAX_TILE_ROWS = 4, ROW_CHUNK = 64, FILL_FIRST_ROWS = 8 };
 
 /* Activation pair p of a run (its int16 values 2p and 2p + 1) as one int32, to broadcast. */
 static inline int32_t pair_at(const int16_t *run, int p) {
@@ -317,9 +319,14 @@ int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
     Rows16 rows = rows16_alloc(m, k, w->group);
     if (!rows.q) return ERR_NOMEM;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    /* A decode step's few rows are quantized before the team forks (rows16_fill's loop then
+     * runs on this thread alone): sharing them costs a barrier, which one thread would spend
+     * waiting for the other's row. */
+    const int fill_first = m <= FILL_FIRST_ROWS;
+    if (fill_first) rows16_fill(&rows, x, x_stride, m, k, w->group);
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
-        rows16_fill(&rows, x, x_stride, m, k, w->group);
+        if (!fill_first) rows16_fill(&rows, x, x_stride, m, k, w->group);
         /* Threads split the column blocks; a block's weights stay in L1 while up to ROW_CHUNK
          * rows (their int16 values in L2) pass over them, four at a time. */
         for (int64_t lo = 0; lo < m; lo += ROW_CHUNK) {
