@@ -21,7 +21,7 @@ Scales and offsets are float32 (exact for every format's fp16/bf16/fp32 scales):
 then streams 24 bytes per 32 weights instead of the file's 20, for kernels with one scale type.
 
 On CPU, int4 and int8 weights are repacked once more at load (`to_blocked`): blocks of `block`
-columns (the vector width of the CPU kernel, cpu/cpu_gemm_quant_blocked.c, which describes the
+columns (the vector width of the CPU kernel, cpu/cpu_gemm_quant.c, which describes the
 byte order), the same bytes reordered so that a vector holds every column of the block; scales
 and offsets [blocks, groups * block]. `dequantize` reads both layouts.
 """

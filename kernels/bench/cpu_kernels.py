@@ -18,7 +18,10 @@ intermediate 1536, vocab 49152, 30 layers, bf16).
 - float32 (the CPU default without AVX512-BF16), where the build has AVX-512: prefill attention
   (`cpu_prefill`'s float32 kernel) against SDPA, a step's projections on `cpu_gemm_f32` against
   F.linear (MKL) at 1 to 128 rows, and one layer's RMSNorm, rotary + cache write and
-  SiLU-and-mul in C against torch's ops.
+  SiLU-and-mul in C against torch's ops;
+- quantized, where the quantized kernel builds: a step's int4 projections (int8 LM head) on
+  `cpu_gemm_quant` against the same weights dequantized per call into the float32 GEMM, at 1
+  to 512 rows (`cpu_kernels_quant`).
 
 Every path's output is checked against the torch reference before it is timed (exit code 1 on a
 mismatch). Times are the minimum over `--iters` calls (this host's speed drifts; the minimum is
@@ -36,7 +39,7 @@ import json
 import sys
 from dataclasses import asdict, replace
 
-from kvfleet.kernels.bench import cpu_kernels_float32
+from kvfleet.kernels.bench import cpu_kernels_float32, cpu_kernels_quant
 from kvfleet.kernels.bench.cpu_kernels_cases import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -73,6 +76,8 @@ HUGE_PAGE_MAX_ROWS = 16  # decode sizes, where streaming the weights sets the pa
 F32_PREFILL_SHAPES = ((272, 272), *PREFILL_SHAPES)
 F32_GEMM_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 F32_ELEMENTWISE_ROWS = (32, 2048)  # a serving batch's decode step, a full prefill step
+# Decode steps (one stream, a speculative verify step of 4 drafts, a batch) and prompts.
+QUANT_ROWS = (1, 4, 5, 8, 16, 64, 128, 512)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -330,7 +335,18 @@ def measure(iters: int) -> dict:
         ],
         "projections": gemm_rows(torch, iters),
         "float32": float32_rows(torch, iters),
+        "quantized": quantized_rows(torch, iters),
     }
+
+
+def quantized_rows(torch, iters: int) -> list[dict]:
+    """The quantized projection rows, or none where the quantized kernel does not build."""
+    from kvfleet.kernels.cpu import cpu_gemm_quant
+
+    if not cpu_gemm_quant.available():
+        return []
+    weights = cpu_kernels_quant.step_weights_quantized(torch, GEMM_LAYERS)
+    return [asdict(cpu_kernels_quant.quant_row(torch, r, weights, iters)) for r in QUANT_ROWS]
 
 
 def gemm_rows(torch, iters: int) -> list[dict]:

@@ -110,6 +110,14 @@ def print_report(report: dict) -> None:
                 f"{_fmt(r['fused_ops_ms'], '7.2f')} {_fmt(r['kernel_huge_pages_ms'], '7.2f')} "
                 f"({_fmt(r['kernel_huge_pages_gbps'], '4.1f')})"
             )
+    if report.get("quantized"):
+        print("int4 projections per step (30 layers, int8 LM head), ms: dequantized per call into")
+        print("the float32 GEMM vs cpu_gemm_quant (GB/s of packed weights read)")
+        for r in report["quantized"]:
+            print(
+                f"  {r['shape']:>20} {r['torch_ms']:>9.2f} {r['kernel_ms']:>9.2f} "
+                f"{r['speedup']:>6.2f}x  {_fmt(r['kernel_gbps'], '.1f')} GB/s"
+            )
     f32 = report["float32"]
     titles = {
         "prefill": "float32 prefill attention, ms per layer: SDPA vs cpu_prefill_f32 (AVX-512 or AVX2)",

@@ -13,6 +13,7 @@ from kvfleet.kernels.cpu import (
     cpu_elementwise,
     cpu_gemm,
     cpu_gemm_f32,
+    cpu_gemm_quant,
     cpu_linear,
     cpu_prefill,
 )
@@ -68,6 +69,7 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cpu_kernels, "F32_PREFILL_SHAPES", ((20, 50),))
     monkeypatch.setattr(cpu_kernels, "F32_GEMM_ROWS", (1, 7))
     monkeypatch.setattr(cpu_kernels, "F32_ELEMENTWISE_ROWS", (5,))
+    monkeypatch.setattr(cpu_kernels, "QUANT_ROWS", (1, 5))
     monkeypatch.setattr(cpu_kernels, "read_gbps", lambda torch, iters: 1.0)  # a 1 GiB read
     out = tmp_path / "k.json"
     assert main(["bench", "cpu-kernels", "--iters", "1", "--json", str(out)]) == 0
@@ -92,6 +94,9 @@ def test_the_command_writes_its_report(monkeypatch, tmp_path, capsys):
         assert row["speedup"] == pytest.approx(row["torch_ms"] / row["kernel_ms"])
     else:
         assert f32 == {"prefill": [], "decode": [], "projections": [], "elementwise": []}
+    # Quantized projections against dequantizing per call, where the quantized kernel builds.
+    quantized = [(r["shape"], r["kernel_gbps"] > 0) for r in report["quantized"]]
+    assert quantized == ([("rows=1", True), ("rows=5", True)] if cpu_gemm_quant.available() else [])
     assert "prefill attention" in capsys.readouterr().out
 
 
@@ -120,6 +125,7 @@ def _scaled_wrong(real):
         (cpu_gemm_f32, "linear", _first_column_wrong),
         (cpu_elementwise, "rms_norm", _eps_wrong),
         (cpu_attention, "decode_attention", _scaled_wrong),
+        (cpu_gemm_quant, "linear", _first_column_wrong),
     ],
 )
 def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module, name, break_it):
@@ -131,6 +137,7 @@ def test_a_wrong_float32_kernel_fails_the_benchmark(monkeypatch, capsys, module,
     monkeypatch.setattr(cpu_kernels, "F32_GEMM_ROWS", (7,))
     monkeypatch.setattr(cpu_kernels, "GEMM_ROWS", ())  # bf16's would trip over a broken norm too
     monkeypatch.setattr(cpu_kernels, "F32_ELEMENTWISE_ROWS", (5,))
+    monkeypatch.setattr(cpu_kernels, "QUANT_ROWS", (3,))
     monkeypatch.setattr(cpu_kernels, "GEMM_LAYERS", 1)
     monkeypatch.setattr(cpu_kernels, "DECODE_LAYERS", 1)
     monkeypatch.setattr(cpu_kernels, "DECODE_SEQS", 2)
