@@ -173,11 +173,20 @@ typedef __m256 fvec;
 #define CHAINS(mr) 1
 #else
 /* A fused dot's latency (4-5 cycles) would bind a single chain of 16 per run: 4 independent
- * sums per row, 2 when four rows already interleave. */
-#define CHAINS(mr) ((mr) == 4 ? 2 : 4)
+ * sums for one row, 2 per row while the rows' accumulators fit the registers, one for 8 rows
+ * (their 128 dots a run outlast any chain). */
+#define CHAINS(mr) ((mr) == 1 ? 4 : (mr) <= 4 ? 2 : 1)
 #endif
 
-enum { MAX_TILE_ROWS = 4, ROW_CHUNK = 64, FILL_FIRST_ROWS = 8 };
+/* Rows per tile: each tile unpacks a block's weights once for all its rows. AVX-512's 32
+ * registers hold 8 rows' sums (a verify step of 4 drafts, 5 rows, is one tile, not 4 + 1);
+ * AVX2's 16 hold 4. */
+#if BLOCK == 16
+enum { MAX_TILE_ROWS = 8 };
+#else
+enum { MAX_TILE_ROWS = 4 };
+#endif
+enum { ROW_CHUNK = 64, FILL_FIRST_ROWS = 8 };
 
 /* Activation pair p of a run (its int16 values 2p and 2p + 1) as one int32, to broadcast. */
 static inline int32_t pair_at(const int16_t *run, int p) {
@@ -268,21 +277,26 @@ static void store_tile(const Rows16 *x, const QuantWeight *w, const float *bias,
                        int64_t out_stride, int64_t m0, int mr, int64_t cb, int64_t n, int64_t k) {
     fvec sums[MAX_TILE_ROWS];
     /* One copy per format and row count: each keeps its own registers. */
-    if (w->format == QUANT_INT4) {
-        if (mr == 4)
-            block_tile(x, k, w, cb, m0, 1, 4, sums);
-        else if (mr == 2)
-            block_tile(x, k, w, cb, m0, 1, 2, sums);
-        else
-            block_tile(x, k, w, cb, m0, 1, 1, sums);
-    } else {
-        if (mr == 4)
-            block_tile(x, k, w, cb, m0, 0, 4, sums);
-        else if (mr == 2)
-            block_tile(x, k, w, cb, m0, 0, 2, sums);
-        else
-            block_tile(x, k, w, cb, m0, 0, 1, sums);
+#define TILE_CASE(R)                                                      \
+    case R:                                                               \
+        if (w->format == QUANT_INT4)                                      \
+            block_tile(x, k, w, cb, m0, 1, (R) <= MAX_TILE_ROWS ? R : 1, sums); \
+        else                                                              \
+            block_tile(x, k, w, cb, m0, 0, (R) <= MAX_TILE_ROWS ? R : 1, sums); \
+        break;
+    switch (mr) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+#if BLOCK == 16
+        TILE_CASE(5)
+        TILE_CASE(6)
+        TILE_CASE(7)
+        TILE_CASE(8)
+#endif
     }
+#undef TILE_CASE
     const int64_t n0 = cb * BLOCK;
     for (int j = 0; j < mr; j++) {
         float *row = out + (m0 + j) * out_stride + n0;
@@ -334,7 +348,7 @@ int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
 #pragma omp for schedule(static)
             for (int64_t cb = 0; cb < blocks; cb++)
                 for (int64_t m0 = lo; m0 < hi;) {
-                    const int mr = hi - m0 >= 4 ? 4 : hi - m0 >= 2 ? 2 : 1;
+                    const int mr = hi - m0 < MAX_TILE_ROWS ? (int)(hi - m0) : MAX_TILE_ROWS;
                     store_tile(&rows, w, bias, out, out_stride, m0, mr, cb, n, k);
                     m0 += mr;
                 }
