@@ -6,12 +6,12 @@
  * bundled model's Q4_1 file holds 0.6 bytes a weight; dequantized to float32 at start it streamed
  * 4 bytes a weight (bf16: 2). Here the packed bytes are read and widened to int16 words in
  * registers only, and the arithmetic is integer: each run of 32 activations is rounded to int16
- * with a scale (its largest magnitude maps to 32767), products are summed in int32, and a run's
- * sums are scaled into the float accumulators by the activations' scale times the group's
- * weight scale; an asymmetric format's offsets add offset x (the group's float sum of x) once
- * per group. The rounding of x costs at most half an int16 step of its run's largest value per
- * product: ~100x finer than bf16 activations, coarser than float32
- * (tests/kernels/test_cpu_gemm_quant.py bounds it).
+ * with a scale (its largest magnitude maps to 32767), a run's 32 products are summed in int32
+ * (at most 32 x 32767 x 128 in magnitude), and those sums are scaled into the float
+ * accumulators by the activations' scale times the group's weight scale; an asymmetric
+ * format's offsets add offset x (the group's float sum of x) once per group. The rounding of x
+ * costs at most half an int16 step of its run's largest value per product: ~100x finer than
+ * bf16 activations, coarser than float32 (tests/kernels/test_cpu_gemm_quant.py bounds it).
  *
  * Why blocks of columns: a vector holds BLOCK columns' weights for two consecutive k (one int32
  * lane per column, two int16 words in it), so one vpdpwssd (AVX-512 VNNI; vpmaddwd + vpaddd
@@ -88,7 +88,8 @@ static inline Rows16 rows16_alloc(int64_t m, int64_t k, int64_t group) {
     return rows;
 }
 
-/* Row i of x (row stride x_stride) into rows: call from every thread of a team (omp for). */
+/* Row i of x (row stride x_stride) into rows: shared by a team's threads where every thread
+ * calls it (omp for), all on the caller outside a team. */
 static inline void rows16_fill(Rows16 *rows, const float *x, int64_t x_stride, int64_t m,
                                int64_t k, int64_t group) {
     const int64_t runs = k / RUN, groups = k / group, runs_per_group = group / RUN;
