@@ -76,8 +76,10 @@ class KernelPolicy:
     # 1.08 against 0.90 ms, 128 rows 7.00 against 5.56 ms).
     quant_gemm_max_rows: int = 8
     # The same with AVX-512 VNNI's fused dot (vpdpwssd): faster than dequantizing at every row
-    # count timed (2-core Zen 4: 16 rows 0.43 against 1.08 ms, 128 rows 3.34 against 5.16 ms,
-    # 512 rows 14.1 against 19.7 ms), so every step up to a large prompt's.
+    # count of `kvfleet bench cpu-kernels` (a step's projections on a 2-core Zen 4: 16 rows 17.3
+    # against 54.1 ms, 128 rows 124 against 295 ms, 512 rows 490 against 992 ms;
+    # docs/results/bench-cpu-kernels-quant-avx512bf16.json), so every step up to a large
+    # prompt's.
     vnni_quant_gemm_max_rows: int = 8192
     # Whether decode steps may run the whole decoder stack in one C call (cpu_decode_step)
     # where it applies: the same bits as op by op, one Python call a step instead of six per
