@@ -35,7 +35,7 @@ from kvfleet.kernels.cpu import (
 from kvfleet.kernels.cpu.huge_pages import HugePageArena
 from kvfleet.kernels.metadata import AttentionMetadata, LoraMapping
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
-from kvfleet.kernels.quant_weight import QuantizedWeight, to_rows
+from kvfleet.kernels.quant_weight import QuantizedWeight
 
 # The names `Kernels.linear_path` gives the kernels a projection may run on: a benchmark reports
 # each figure with the one that produced it. "torch" is whatever torch runs (oneDNN, MKL,
@@ -168,10 +168,14 @@ class Kernels:
         rows are widened and the result rounded back), else the weight dequantized for this
         call into torch's GEMM (prefill steps, where the multiply outweighs that pass)."""
         if self.use_triton(x):
+            if weight.block:  # prepack keeps the row layout where the policy is Triton's
+                raise ValueError(
+                    "weight: packed in column blocks for the CPU kernel; Triton reads the row "
+                    "layout (prepack it under the Triton policy)"
+                )
             from kvfleet.kernels.triton import triton_quant
 
-            # A CPU weight packed before a policy sent ops to Triton: its row layout, per call.
-            return triton_quant.linear(x, to_rows(weight) if weight.block else weight, bias)
+            return triton_quant.linear(x, weight, bias)
         rows_f32 = x if x.dtype == torch.float32 else x.float()
         if cpu_gemm_quant.takes(rows_f32, weight, policy=self.policy):
             return cpu_gemm_quant.linear(rows_f32, weight, bias).to(x.dtype)

@@ -21,20 +21,9 @@
  * FMA per column and every tile in a transpose: 2-3x the time of this form at 1-64 rows on a
  * Zen 4, 1.1-1.5x with AVX2 (all but 2 rows).
  *
- * The layout, per block of BLOCK columns (the last one padded with zero weights and scales) and
- * per run of 32 k:
- * - int4, 16 x BLOCK bytes: four loads of 4 x BLOCK bytes. In load i, the byte at
- *   (c / 4) * 16 + 2 * (c % 4) + e + 8 h is the row layout's byte j = 4i + 2h + e of column c
- *   (its low nibble weight k = j, its high one k = j + 16). Masking the nibbles and unpacking
- *   bytes to words within each 128-bit lane (h = 0: unpacklo, 1: unpackhi) gives the words of k
- *   pair 2i + h (low nibbles) and 2i + h + 8 (high ones), column c in int32 lane c.
- * - int8, 32 x BLOCK bytes: pair p (k = 2p, 2p + 1) at 2 x BLOCK p, column c's two values at
- *   2c and 2c + 1; one sign-extending load makes its words.
- * - Scales and offsets [blocks, groups, BLOCK]: a group's BLOCK values are one vector.
- *
- * One source for AVX-512 (BLOCK 16) and AVX2 + FMA (BLOCK 8): the vector type is the parameter.
+ * The layout, and the vector primitives shared with the dequantize pass: cpu_quant_block.h.
  * Past the kernel policy's row limit (cpu_gemm_quant.max_rows), kvfleet_dequantize's float
- * weight into the float32 GEMM is faster (AVX2 past 8 rows).
+ * weight (cpu_quant_dequantize.c) into the float32 GEMM is faster (AVX2 past 8 rows).
  *
  * Layouts: x [m, k] float32 with row stride x_stride; out [m, n] with row stride out_stride;
  * bias [n] or NULL. k a multiple of the group size, itself a multiple of 32.
@@ -45,15 +34,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_entry_points.h"
-#include "cpu_math.h"
-
-enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3, ERR_FORMAT = 5 };
+#include "cpu_quant_block.h"
 
 /* Activation rows as the integer dot products read them: per run of 32 values, int16 values
  * x / scale rounded to nearest (scale = the run's largest magnitude / 32767, so the largest maps
  * to +-32767), the scale, and per weight group the float sum of x (for the offsets' term). */
-#define RUN 32 /* weights per unpacking step: 16 packed int4 bytes, 32 int8 values */
 
 typedef struct {
     int16_t *q;        /* [m, k] */
@@ -108,68 +93,8 @@ static inline void rows16_fill(Rows16 *rows, const float *x, int64_t x_stride, i
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define BLOCK 16
-typedef __m512i ivec;
-typedef __m512 fvec;
-#define izero() _mm512_setzero_si512()
-#define iload(p) _mm512_loadu_si512((const void *)(p))
-#define iand(a, b) _mm512_and_si512(a, b)
-#define isrl4(a) _mm512_srli_epi16(a, 4)
-#define iset8(x) _mm512_set1_epi8(x)
-#define iset32(x) _mm512_set1_epi32(x)
-#define unpack_lo8(a, b) _mm512_unpacklo_epi8(a, b)
-#define unpack_hi8(a, b) _mm512_unpackhi_epi8(a, b)
-#define iadd32(a, b) _mm512_add_epi32(a, b)
-#define words_int8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
-#define fzero() _mm512_setzero_ps()
-#define fload(p) _mm512_loadu_ps(p)
-#define fstore(p, v) _mm512_storeu_ps(p, v)
-#define fset1(x) _mm512_set1_ps(x)
-#define fmul(a, b) _mm512_mul_ps(a, b)
-#define fadd(a, b) _mm512_add_ps(a, b)
-#define ffma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define cvt_ps(a) _mm512_cvtepi32_ps(a)
-#if defined(__AVX512VNNI__)
-#define dot_add(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
-#define FUSED_DOT 1
-#endif
-#elif defined(__AVX2__) && defined(__FMA__)
-#define BLOCK 8
-typedef __m256i ivec;
-typedef __m256 fvec;
-#define izero() _mm256_setzero_si256()
-#define iload(p) _mm256_loadu_si256((const __m256i *)(p))
-#define iand(a, b) _mm256_and_si256(a, b)
-#define isrl4(a) _mm256_srli_epi16(a, 4)
-#define iset8(x) _mm256_set1_epi8(x)
-#define iset32(x) _mm256_set1_epi32(x)
-#define unpack_lo8(a, b) _mm256_unpacklo_epi8(a, b)
-#define unpack_hi8(a, b) _mm256_unpackhi_epi8(a, b)
-#define iadd32(a, b) _mm256_add_epi32(a, b)
-#define words_int8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
-#define fzero() _mm256_setzero_ps()
-#define fload(p) _mm256_loadu_ps(p)
-#define fstore(p, v) _mm256_storeu_ps(p, v)
-#define fset1(x) _mm256_set1_ps(x)
-#define fmul(a, b) _mm256_mul_ps(a, b)
-#define fadd(a, b) _mm256_add_ps(a, b)
-#define ffma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define cvt_ps(a) _mm256_cvtepi32_ps(a)
-#if defined(__AVXVNNI__)
-#define dot_add(acc, w, x) _mm256_dpwssd_avx_epi32(acc, w, x)
-#define FUSED_DOT 1
-#endif
-#endif
-
 #ifdef BLOCK
 #ifndef FUSED_DOT
-#define dot_add(acc, w, x) iadd32(acc, madd_words(w, x))
-#if BLOCK == 16
-#define madd_words(w, x) _mm512_madd_epi16(w, x)
-#else
-#define madd_words(w, x) _mm256_madd_epi16(w, x)
-#endif
 /* vpmaddwd + vpaddd: the add's one-cycle latency is the only chain. */
 #define CHAINS(mr) 1
 #else
@@ -210,7 +135,7 @@ static inline __attribute__((always_inline)) void block_tile(const Rows16 *x, in
     const uint8_t *q = w->q + cb * runs * run_bytes;
     const float *scales = w->scales + cb * groups * BLOCK;
     const float *offsets = w->offsets ? w->offsets + cb * groups * BLOCK : NULL;
-    const ivec mask = iset8(0x0F), zero = izero();
+    const ivec zero = izero();
     fvec acc[MAX_TILE_ROWS];
     for (int j = 0; j < mr; j++) acc[j] = fzero();
     for (int64_t g = 0; g < groups; g++) {
@@ -223,38 +148,15 @@ static inline __attribute__((always_inline)) void block_tile(const Rows16 *x, in
                 xr[j] = x->q + (m0 + j) * k + r * RUN;
                 for (int c = 0; c < chains; c++) dots[j][c] = zero;
             }
-            /* Four word vectors at a time: int4's load i (pairs 2i, 2i + 1 from its low
-             * nibbles, 2i + 8, 2i + 9 from its high ones), int8's pairs 4i .. 4i + 3. Spelled
-             * out per format: a shared loop over an array of pair indices timed slower for
-             * int8 in one ad-hoc run (its broadcasts spilled), on a host whose speed drifts. */
-            if (int4) {
-                for (int i = 0; i < 4; i++) {
-                    const ivec bytes = iload(p + i * 4 * BLOCK);
-                    const ivec lo = iand(bytes, mask), hi = iand(isrl4(bytes), mask);
-                    const ivec w0 = unpack_lo8(lo, zero), w1 = unpack_hi8(lo, zero);
-                    const ivec w2 = unpack_lo8(hi, zero), w3 = unpack_hi8(hi, zero);
-                    for (int j = 0; j < mr; j++) {
-                        ivec d = dots[j][i % chains];
-                        d = dot_add(d, w0, iset32(pair_at(xr[j], 2 * i)));
-                        d = dot_add(d, w1, iset32(pair_at(xr[j], 2 * i + 1)));
-                        d = dot_add(d, w2, iset32(pair_at(xr[j], 2 * i + 8)));
-                        d = dot_add(d, w3, iset32(pair_at(xr[j], 2 * i + 9)));
-                        dots[j][i % chains] = d;
-                    }
-                }
-            } else {
-                for (int i = 0; i < 4; i++) {
-                    const uint8_t *at = p + 4 * i * 2 * BLOCK;
-                    const ivec w0 = words_int8(at), w1 = words_int8(at + 2 * BLOCK);
-                    const ivec w2 = words_int8(at + 4 * BLOCK), w3 = words_int8(at + 6 * BLOCK);
-                    for (int j = 0; j < mr; j++) {
-                        ivec d = dots[j][i % chains];
-                        d = dot_add(d, w0, iset32(pair_at(xr[j], 4 * i)));
-                        d = dot_add(d, w1, iset32(pair_at(xr[j], 4 * i + 1)));
-                        d = dot_add(d, w2, iset32(pair_at(xr[j], 4 * i + 2)));
-                        d = dot_add(d, w3, iset32(pair_at(xr[j], 4 * i + 3)));
-                        dots[j][i % chains] = d;
-                    }
+            for (int i = 0; i < 4; i++) {
+                ivec words[4];
+                int pairs[4];
+                four_words(p, int4, i, words, pairs);
+                for (int j = 0; j < mr; j++) {
+                    ivec d = dots[j][i % chains];
+                    for (int v = 0; v < 4; v++)
+                        d = dot_add(d, words[v], iset32(pair_at(xr[j], pairs[v])));
+                    dots[j][i % chains] = d;
                 }
             }
             for (int j = 0; j < mr; j++) {
@@ -319,18 +221,11 @@ int kvfleet_quant_fused_dot(void) { return 1; }
 int kvfleet_quant_fused_dot(void) { return 0; }
 #endif
 
-/* Whether w and k describe a weight this kernel reads. */
-static int valid(const QuantWeight *w, int64_t n, int64_t k) {
-    return w && w->q && w->scales && n >= 1 && k >= 1 && w->group >= RUN &&
-           w->group % RUN == 0 && k % w->group == 0 && w->block == BLOCK &&
-           (w->format == QUANT_INT4 || (w->format == QUANT_INT8 && !w->offsets));
-}
-
 int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
                          const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
                          int64_t k, int num_threads) {
     if (m < 1 || x_stride < k || out_stride < n) return ERR_SHAPE;
-    if (!valid(w, n, k)) return ERR_FORMAT;
+    if (!quant_block_valid(w, n, k)) return ERR_FORMAT;
     Rows16 rows = rows16_alloc(m, k, w->group);
     if (!rows.q) return ERR_NOMEM;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -359,109 +254,6 @@ int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
     return OK;
 }
 
-/* A run's 16 pair vectors (k pair p in vector p, column c in int32 lane c), as the GEMM reads
- * them. */
-static inline void run_pairs(const uint8_t *p, int int4, ivec pairs[RUN / 2]) {
-    if (int4) {
-        const ivec mask = iset8(0x0F), zero = izero();
-        for (int i = 0; i < 4; i++) {
-            const ivec bytes = iload(p + i * 4 * BLOCK);
-            const ivec lo = iand(bytes, mask), hi = iand(isrl4(bytes), mask);
-            pairs[2 * i] = unpack_lo8(lo, zero), pairs[2 * i + 1] = unpack_hi8(lo, zero);
-            pairs[2 * i + 8] = unpack_lo8(hi, zero), pairs[2 * i + 9] = unpack_hi8(hi, zero);
-        }
-    } else {
-        for (int pair = 0; pair < RUN / 2; pair++) pairs[pair] = words_int8(p + pair * 2 * BLOCK);
-    }
-}
-
-#if BLOCK == 16
-/* m[i] lane j <-> m[j] lane i for 16 x 16 int32: in-lane unpacks make 4 x 4 blocks, two 128-bit
- * lane shuffles put them in place. */
-static inline void transpose_pairs(ivec m[16]) {
-    ivec t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(m[2 * i], m[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* u[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j */
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const ivec even_a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
-        const ivec odd_a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-        const ivec even_b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-        const ivec odd_b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-        m[j] = _mm512_shuffle_i32x4(even_a, even_b, 0x88);
-        m[8 + j] = _mm512_shuffle_i32x4(even_a, even_b, 0xDD);
-        m[4 + j] = _mm512_shuffle_i32x4(odd_a, odd_b, 0x88);
-        m[12 + j] = _mm512_shuffle_i32x4(odd_a, odd_b, 0xDD);
-    }
-}
-#define widen_lo(v) _mm512_cvtepi16_epi32(_mm512_castsi512_si256(v))
-#define widen_hi(v) _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1))
-#else
-/* The same for each 8 x 8 half of 16 x 8 int32 (m[0..7], m[8..15]). */
-static inline void transpose_pairs(ivec m[16]) {
-    for (int h = 0; h < 16; h += 8) {
-        ivec *r = m + h, t[8], u[8];
-        for (int i = 0; i < 4; i++) {
-            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 2; i++) {
-            u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-            u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-        }
-        for (int j = 0; j < 4; j++) {
-            r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-            r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-        }
-    }
-}
-#define widen_lo(v) _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v))
-#define widen_hi(v) _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1))
-#endif
-
-/* The float32 [n, k] weight w stands for, row by row into out (for steps past the policy's rows
- * for the kernel above: their GEMM then runs on the float paths). Per run, the block's pair
- * vectors are transposed so that a vector holds one column's pairs, i.e. its weights in k
- * order, then widened and scaled: scale x q + offset in one FMA, the same values as
- * kernels/quant_weight.dequantize. */
-int kvfleet_dequantize(const QuantWeight *w, float *out, int64_t n, int64_t k, int num_threads) {
-    if (!valid(w, n, k)) return ERR_FORMAT;
-    const int int4 = w->format == QUANT_INT4;
-    const int64_t runs = k / RUN, groups = k / w->group, blocks = (n + BLOCK - 1) / BLOCK;
-    const int64_t run_bytes = (int4 ? RUN / 2 : RUN) * BLOCK;
-#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
-    for (int64_t cb = 0; cb < blocks; cb++) {
-        const int64_t cols = n - cb * BLOCK < BLOCK ? n - cb * BLOCK : BLOCK;
-        for (int64_t r = 0; r < runs; r++) {
-            const int64_t at = (cb * groups + r / (w->group / RUN)) * BLOCK;
-            ivec pairs[RUN / 2];
-            run_pairs(w->q + (cb * runs + r) * run_bytes, int4, pairs);
-            transpose_pairs(pairs);
-            for (int64_t c = 0; c < cols; c++) {
-                const fvec scale = fset1(w->scales[at + c]);
-                const fvec offset = fset1(w->offsets ? w->offsets[at + c] : 0.0f);
-                float *row = out + (cb * BLOCK + c) * k + r * RUN;
-                /* Vector v * BLOCK + c holds the column's pairs v * BLOCK.., k 2 v BLOCK... */
-                for (int v = 0; v < RUN / 2 / BLOCK; v++) {
-                    const ivec words = pairs[v * BLOCK + c];
-                    fstore(row + 2 * v * BLOCK, ffma(cvt_ps(widen_lo(words)), scale, offset));
-                    fstore(row + (2 * v + 1) * BLOCK,
-                           ffma(cvt_ps(widen_hi(words)), scale, offset));
-                }
-            }
-        }
-    }
-    return OK;
-}
 #else
 int kvfleet_quant_block(void) { return 0; }
 int kvfleet_quant_fused_dot(void) { return 0; }
@@ -471,11 +263,6 @@ int kvfleet_linear_quant(const float *x, int64_t x_stride, const QuantWeight *w,
                          int64_t k, int num_threads) {
     (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)out_stride, (void)m, (void)n;
     (void)k, (void)num_threads;
-    return ERR_NO_SIMD;
-}
-
-int kvfleet_dequantize(const QuantWeight *w, float *out, int64_t n, int64_t k, int num_threads) {
-    (void)w, (void)out, (void)n, (void)k, (void)num_threads;
     return ERR_NO_SIMD;
 }
 #endif

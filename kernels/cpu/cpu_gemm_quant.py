@@ -11,6 +11,7 @@ activations would, by more than float32 summation order alone."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from kvfleet.kernels.cpu import cpu_gemm_f32, cpu_library
@@ -41,15 +42,22 @@ def available() -> bool:
     return cpu_gemm_f32.available()
 
 
+@functools.cache
+def _build_facts(library: object) -> tuple[int, bool]:
+    """A loaded library's block width and whether its dot is fused: asked once per build, since
+    every projection's routing asks them."""
+    return library.kvfleet_quant_block(), bool(library.kvfleet_quant_fused_dot())
+
+
 def block_columns() -> int:
     """Columns per block of the blocked layout this build's kernel reads (its vector width: 16
     with AVX-512, 8 with AVX2); 0 where the kernel does not run."""
-    return cpu_library.library().kvfleet_quant_block() if available() else 0
+    return _build_facts(cpu_library.library())[0] if available() else 0
 
 
 def fused_dot() -> bool:
     """Whether this build's kernel adds products with AVX-512 VNNI's fused dot."""
-    return available() and bool(cpu_library.library().kvfleet_quant_fused_dot())
+    return available() and _build_facts(cpu_library.library())[1]
 
 
 def max_rows(policy: KernelPolicy) -> int:

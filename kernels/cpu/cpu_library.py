@@ -1,9 +1,9 @@
 """The C library behind the CPU path: in this folder (kernels/cpu/), cpu_attention.c (with its
 paths cpu_attention_f32.c, cpu_attention_bf16.c and cpu_attention_amx.c), cpu_prefill.c,
 cpu_prefill_f32.c, cpu_cache.c, cpu_elementwise.c, cpu_argmax.c, cpu_gemm.c, cpu_gemm_f32.c,
-cpu_gemm_quant.c and cpu_decode_step.c (with their headers cpu_math.h, cpu_amx.h, cpu_cache.h, cpu_entry_points.h,
-cpu_attention.h and cpu_vec_f32.h, #included by name from the same folder), built into one shared
-object.
+cpu_gemm_quant.c, cpu_quant_dequantize.c and cpu_decode_step.c (with their headers cpu_math.h,
+cpu_amx.h, cpu_cache.h, cpu_entry_points.h, cpu_attention.h, cpu_vec_f32.h and cpu_quant_block.h,
+#included by name from the same folder), built into one shared object.
 
 Compiled on first use with the machine's gcc (`-O3 -march=native -fopenmp`) into
 `$KVFLEET_CACHE_DIR/kernels` (else ~/.cache/kvfleet/kernels) under a name hashing the sources,
@@ -45,6 +45,7 @@ _SOURCE_NAMES = (
     "cpu_gemm.c",
     "cpu_gemm_f32.c",
     "cpu_gemm_quant.c",
+    "cpu_quant_dequantize.c",
     "cpu_decode_step.c",
 )
 SOURCES = [HERE / name for name in _SOURCE_NAMES]
@@ -55,6 +56,7 @@ _HEADER_NAMES = (
     "cpu_entry_points.h",
     "cpu_attention.h",
     "cpu_vec_f32.h",
+    "cpu_quant_block.h",
 )
 HEADERS = [HERE / name for name in _HEADER_NAMES]
 COMPILER = ["gcc"]  # the compiler command; tests replace it to simulate a broken toolchain

@@ -149,6 +149,15 @@ def test_a_model_s_cpu_weights_are_packed_once_at_load():
     assert torch.equal(dequantize(packed), dequantize(w))
 
 
+def test_prepack_keeps_the_row_layout_for_triton_and_triton_refuses_blocks():
+    _need_kernel()
+    w = int4_weight(40, 64, 32, torch.Generator().manual_seed(4))
+    triton_policy = dataclasses.replace(DEFAULT_POLICY, backend="triton")
+    assert dispatch.prepack_linear_weight(w, policy=triton_policy).block == 0
+    with pytest.raises(ValueError, match="weight: packed in column blocks"):
+        dispatch.Kernels(triton_policy).linear(torch.randn(2, 64), cpu_gemm_quant.pack(w))
+
+
 def test_bf16_rows_get_bf16_results_of_the_float32_product():
     _need_kernel()
     gen = torch.Generator().manual_seed(11)
