@@ -6,7 +6,8 @@
  * the step must read. Here each (sequence, kv head) pair is one task that walks its block table,
  * reads each K/V block once for all query heads of its GQA group, and keeps an online softmax
  * (running max, running sum, float32 accumulator) so nothing is padded or materialised; a
- * context past SPLIT_KEYS keys is several tasks, combined at the end (see SPLIT_KEYS).
+ * context past SPLIT_KEYS keys is several tasks, combined at the end (see SPLIT_KEYS), and the
+ * rows a verify step gives one sequence share their tasks (see MAX_SHARED_ROWS).
  *
  * Layout (see kernels/reference.py, allocate_kv_cache(head_major=True)):
  *   k_cache, v_cache  [num_kv_heads, num_blocks, block_size, head_dim], contiguous,
@@ -83,15 +84,63 @@ static int splits_of(int len, int block_size, int whole) {
     return (len + SPLIT_KEYS - 1) / SPLIT_KEYS;
 }
 
-/* The sequence whose tasks include `task`: first_task[seq] <= task < first_task[seq + 1]. */
-static int seq_of_task(const int *first_task, int num_seqs, int task) {
-    int lo = 0, hi = num_seqs - 1;
+/* The unit whose tasks include `task`: first_task[unit] <= task < first_task[unit + 1]. */
+static int unit_of_task(const int *first_task, int units, int task) {
+    int lo = 0, hi = units - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
         if (first_task[mid] <= task) lo = mid;
         else hi = mid - 1;
     }
     return lo;
+}
+
+/* Rows that share a task. A verify step (speculative decoding) gives one sequence a row per
+ * token it checks, over the same blocks: each row read every K/V block again, so a 5-row step's
+ * attention read the context five times. On the float32 path consecutive rows whose tables agree
+ * on every block they read, each context one split long, are one unit of at most
+ * MAX_SHARED_ROWS rows, whose tasks read each block once for all of them; a row's bits are the
+ * same as alone (attend_group_f32). Units are cut again where fewer than two tasks a thread
+ * would be left (one sequence's 5 rows and 3 kv heads: 3 tasks on 2 threads idled one of them
+ * half the time). */
+#define MAX_SHARED_ROWS 16
+
+static int shares_table(const int32_t *a, const int32_t *b, int len, int block_size) {
+    const size_t blocks = (size_t)((len + block_size - 1) / block_size);
+    return memcmp(a, b, blocks * sizeof(int32_t)) == 0;
+}
+
+/* unit_row[0..units] (returns units): each unit's first row, then num_seqs. */
+static int cut_units(int *unit_row, const int32_t *block_tables, int64_t table_stride,
+                     const int32_t *seq_lens, int num_seqs, int block_size, int share,
+                     int units_wanted) {
+    int units = 0;
+    for (int row = 0; row < num_seqs; row++) {
+        const int first = units ? unit_row[units - 1] : 0;
+        const int joins = share && units && row - first < MAX_SHARED_ROWS &&
+                          splits_of(seq_lens[row], block_size, 0) == 1 &&
+                          splits_of(seq_lens[first], block_size, 0) == 1 &&
+                          shares_table(block_tables + (size_t)first * table_stride,
+                                       block_tables + (size_t)row * table_stride, seq_lens[row],
+                                       block_size);
+        if (!joins) unit_row[units++] = row;
+    }
+    unit_row[units] = num_seqs;
+    if (units == num_seqs || units >= units_wanted) return units;
+    /* Too few units to keep the threads busy: cut each into up to `pieces` near-equal ones. */
+    const int pieces = (units_wanted + units - 1) / units;
+    int total = 0;
+    int *fresh = malloc(((size_t)num_seqs + 1) * sizeof(int));
+    if (!fresh) return units; /* uncut: slower, the same results */
+    for (int u = 0; u < units; u++) {
+        const int row = unit_row[u], rows = unit_row[u + 1] - row;
+        const int n = rows < pieces ? rows : pieces;
+        for (int i = 0; i < n; i++) fresh[total++] = row + rows * i / n;
+    }
+    fresh[total] = num_seqs;
+    memcpy(unit_row, fresh, ((size_t)total + 1) * sizeof(int));
+    free(fresh);
+    return total;
 }
 
 /* One (sequence, kv head) pair's output from its `splits` partial results (head_result's
@@ -137,31 +186,49 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
     (void)allow_amx;
     const int use_amx = 0;
 #endif
-    /* Tasks: per sequence, per kv head, per split (the AMX path takes whole contexts). */
+#ifdef HAVE_BF16_DOT
+    const int dot_path = dtype == DTYPE_BFLOAT16 && block_size % 16 == 0 && head_dim % 32 == 0;
+#else
+    const int dot_path = 0;
+#endif
+    if (num_threads < 1) num_threads = 1;
+    /* Tasks: per unit of rows (one sequence's rows of a verify step on the float32 path, else a
+     * row), per kv head, per split (the AMX path takes whole contexts). */
     int *first_task = malloc(((size_t)num_seqs + 1) * sizeof(int));
-    if (!first_task) return ERR_NOMEM;
-    first_task[0] = 0;
-    int any_split = 0;
-    for (int seq = 0; seq < num_seqs; seq++) {
-        const int n = splits_of(seq_lens[seq], block_size, use_amx);
-        any_split |= n > 1;
-        first_task[seq + 1] = first_task[seq] + n * num_kv_heads;
+    int *unit_row = malloc(((size_t)num_seqs + 1) * sizeof(int));
+    if (!first_task || !unit_row) {
+        free(first_task);
+        free(unit_row);
+        return ERR_NOMEM;
     }
-    const int tasks = first_task[num_seqs];
+    /* Two tasks a thread at least, where rows allow: (2 * threads) / kv heads units. */
+    const int units_wanted = (2 * num_threads + num_kv_heads - 1) / num_kv_heads;
+    const int units = cut_units(unit_row, block_tables, table_stride, seq_lens, num_seqs,
+                                block_size, !use_amx && !dot_path, units_wanted);
+    first_task[0] = 0;
+    int any_split = 0, most_rows = 1;
+    for (int u = 0; u < units; u++) {
+        const int rows = unit_row[u + 1] - unit_row[u];
+        const int n = rows > 1 ? 1 : splits_of(seq_lens[unit_row[u]], block_size, use_amx);
+        any_split |= n > 1;
+        most_rows = rows > most_rows ? rows : most_rows;
+        first_task[u + 1] = first_task[u] + n * num_kv_heads;
+    }
+    const int tasks = first_task[units];
     const size_t part_floats = (size_t)group * (head_dim + 2);
     float *parts = any_split ? malloc((size_t)tasks * part_floats * sizeof(float)) : NULL;
     if (any_split && !parts) {
         free(first_task);
+        free(unit_row);
         return ERR_NOMEM;
     }
-    if (num_threads < 1) num_threads = 1;
     if (num_threads > tasks) num_threads = tasks > 0 ? tasks : 1;
     int status = OK;
 
 #pragma omp parallel num_threads(num_threads)
     {
         Scratch s;
-        int mine = scratch_alloc(&s, group, head_dim, block_size);
+        int mine = scratch_alloc(&s, group * most_rows, head_dim, block_size);
 #ifdef HAVE_AMX
         AmxScratch *amx = NULL;
         if (mine == OK && use_amx) {
@@ -178,21 +245,28 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; task++) {
             if (mine != OK) continue;
-            const int seq = seq_of_task(first_task, num_seqs, task);
-            const int splits = (first_task[seq + 1] - first_task[seq]) / num_kv_heads;
-            const int kvh = (task - first_task[seq]) / splits;
-            const int split = (task - first_task[seq]) % splits;
+            const int unit = unit_of_task(first_task, units, task);
+            const int seq = unit_row[unit], rows = unit_row[unit + 1] - seq;
+            const int splits = (first_task[unit + 1] - first_task[unit]) / num_kv_heads;
+            const int kvh = (task - first_task[unit]) / splits;
+            const int split = (task - first_task[unit]) % splits;
             const int len = seq_lens[seq], start = split * SPLIT_KEYS;
-            const int end = splits == 1 ? len : (len - start < SPLIT_KEYS ? len : start + SPLIT_KEYS);
+            int ends[MAX_SHARED_ROWS];
+            ends[0] = splits == 1 ? len : (len - start < SPLIT_KEYS ? len : start + SPLIT_KEYS);
+            for (int r = 1; r < rows; r++) ends[r] = seq_lens[seq + r];
             float *part = splits > 1 ? parts + (size_t)task * part_floats : NULL;
             const size_t head0 = (size_t)kvh * group * head_dim, gd = (size_t)group * head_dim;
             const float *query;
             float *out;
+            int64_t q_row = q_stride, out_row = out_stride;
             if (io_dtype == DTYPE_BFLOAT16) {
-                const uint16_t *qb = (const uint16_t *)query_io + seq * q_stride + head0;
-                for (size_t i = 0; i < gd; i++) s.qio[i] = bf16_to_f32(qb[i]);
+                for (int r = 0; r < rows; r++) {
+                    const uint16_t *qb = (const uint16_t *)query_io + (seq + r) * q_stride + head0;
+                    for (size_t i = 0; i < gd; i++) s.qio[r * gd + i] = bf16_to_f32(qb[i]);
+                }
                 query = s.qio;
                 out = s.oio;
+                q_row = out_row = (int64_t)gd;
             } else {
                 query = (const float *)query_io + seq * q_stride + head0;
                 out = (float *)out_io + seq * out_stride + head0;
@@ -205,25 +279,29 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
             else
 #endif
 #ifdef HAVE_BF16_DOT
-            if (dtype == DTYPE_BFLOAT16 && block_size % 16 == 0 && head_dim % 32 == 0)
-                attend_group_bf16(&s, query, out, part, k_cache, v_cache, table, start, end, kvh,
-                                  group, head_dim, block_size, num_blocks, scale);
+            if (dot_path)
+                attend_group_bf16(&s, query, out, part, k_cache, v_cache, table, start, ends[0],
+                                  kvh, group, head_dim, block_size, num_blocks, scale);
             else
 #endif
-                attend_group_f32(&s, query, out, part, k_cache, v_cache, dtype, table, start,
-                                 end, kvh, group, head_dim, block_size, num_blocks, scale);
+                attend_group_f32(&s, query, q_row, out, out_row, part, k_cache, v_cache, dtype,
+                                 table, start, ends, rows, kvh, group, head_dim, block_size,
+                                 num_blocks, scale);
             if (io_dtype == DTYPE_BFLOAT16 && !part)
-                store_bf16((uint16_t *)out_io + seq * out_stride + head0, s.oio, gd);
+                for (int r = 0; r < rows; r++)
+                    store_bf16((uint16_t *)out_io + (seq + r) * out_stride + head0,
+                               s.oio + r * gd, gd);
         }
         /* (The loop's barrier:) every split's part is written. */
         if (any_split) {
 #pragma omp for schedule(dynamic, 1)
-            for (int pair = 0; pair < num_seqs * num_kv_heads; pair++) {
-                const int seq = pair / num_kv_heads, kvh = pair % num_kv_heads;
-                const int splits = (first_task[seq + 1] - first_task[seq]) / num_kv_heads;
+            for (int pair = 0; pair < units * num_kv_heads; pair++) {
+                const int unit = pair / num_kv_heads, kvh = pair % num_kv_heads;
+                const int splits = (first_task[unit + 1] - first_task[unit]) / num_kv_heads;
                 if (splits == 1 || mine != OK || status != OK) continue;
+                const int seq = unit_row[unit]; /* a split context is a unit of one row */
                 const size_t head0 = (size_t)kvh * group * head_dim, gd = (size_t)group * head_dim;
-                const float *own = parts + (size_t)(first_task[seq] + kvh * splits) * part_floats;
+                const float *own = parts + (size_t)(first_task[unit] + kvh * splits) * part_floats;
                 if (io_dtype == DTYPE_BFLOAT16) {
                     combine_splits(own, splits, group, head_dim, s.oio);
                     store_bf16((uint16_t *)out_io + seq * out_stride + head0, s.oio, gd);
@@ -243,6 +321,7 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
     }
     free(parts);
     free(first_task);
+    free(unit_row);
     return status;
 }
 

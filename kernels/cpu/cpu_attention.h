@@ -37,7 +37,8 @@ enum {
 /* block_exp's whole vectors may write up to SCORE_PAD scores past a block (cpu_attention_f32.c). */
 #define SCORE_PAD 16
 
-/* Per-thread working memory, sized for one GQA group. */
+/* Per-thread working memory, sized for one task's queries (`group` below): a GQA group, times
+ * the rows a float32-path task shares its K/V reads among (cpu_attention.c). */
 typedef struct {
     float *q;      /* [group, D]  the group's queries, pre-multiplied by scale */
     float *acc;    /* [group, D]  unnormalised output */
@@ -72,17 +73,19 @@ static inline float *head_result(float *out, float *part, int g, int D, float m,
 }
 
 /* The float32 widening path (cpu_attention_f32.c), for every build. One task: all `group` query
- * heads that share kv head `kvh`, over the sequence's keys [start, end) (start a multiple of the
- * block size); results as head_result says. */
-ATTENTION_INTERNAL void attend_group_f32(Scratch *s, const float *query, float *out, float *part,
+ * heads that share kv head `kvh`, for `rows` rows that read the same block table (row r's queries
+ * at query + r * q_row, its keys [start, ends[r]), start a multiple of the block size); results
+ * as head_result says, row r's at out + r * out_row (`part`: one row only). */
+ATTENTION_INTERNAL void attend_group_f32(Scratch *s, const float *query, int64_t q_row,
+                                         float *out, int64_t out_row, float *part,
                                          const void *k_cache, const void *v_cache, int dtype,
-                                         const int32_t *table, int start, int end, int kvh,
-                                         int group, int head_dim, int block_size,
-                                         int64_t num_blocks, float scale);
+                                         const int32_t *table, int start, const int *ends,
+                                         int rows, int kvh, int group, int head_dim,
+                                         int block_size, int64_t num_blocks, float scale);
 
 #ifdef __AVX512BF16__
 /* The bf16 dot path (cpu_attention_bf16.c): bf16 caches, block_size a multiple of 16, head_dim a
- * multiple of 32; the same task and results as attend_group_f32. */
+ * multiple of 32; the same task and results as attend_group_f32 for one row. */
 #define HAVE_BF16_DOT 1
 
 ATTENTION_INTERNAL void attend_group_bf16(Scratch *s, const float *query, float *out, float *part,

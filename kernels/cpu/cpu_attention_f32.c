@@ -218,22 +218,29 @@ static inline void accumulate_pv(float *restrict acc, float corr, const float *r
     }
 }
 
-/* One task: all `group` query heads that share kv head `kvh`, over the sequence's keys
- * [start, end) (start a multiple of the block size); results as head_result says. */
-void attend_group_f32(Scratch *s, const float *query, float *out, float *part,
-                      const void *k_cache, const void *v_cache, int dtype, const int32_t *table,
-                      int start, int end, int kvh, int group, int head_dim, int block_size,
-                      int64_t num_blocks, float scale) {
-    const int D = head_dim;
+/* One task: all `group` query heads that share kv head `kvh`, for `rows` query rows that read
+ * the same block table (one row, or a verify step's rows of one sequence: cpu_attention.c), row
+ * r's queries at query + r * q_row and its keys [start, ends[r]) (start a multiple of the block
+ * size); results as head_result says, row r's at out + r * out_row (part: one row only). Each
+ * query's arithmetic is the same whatever else the task holds: a row computed beside others has
+ * the bits it has alone, while the rows share every K/V block read. */
+void attend_group_f32(Scratch *s, const float *query, int64_t q_row, float *out, int64_t out_row,
+                      float *part, const void *k_cache, const void *v_cache, int dtype,
+                      const int32_t *table, int start, const int *ends, int rows, int kvh,
+                      int group, int head_dim, int block_size, int64_t num_blocks, float scale) {
+    const int D = head_dim, queries = rows * group;
     const size_t block_elems = (size_t)block_size * D;
     const size_t block_bytes = block_elems * dtype_size(dtype);
 
-    for (int g = 0; g < group; g++) {
-        for (int i = 0; i < D; i++) s->q[g * D + i] = query[(size_t)g * D + i] * scale;
-        memset(s->acc + (size_t)g * D, 0, sizeof(float) * D);
-        s->m[g] = -INFINITY;
+    int end = 0;
+    for (int r = 0; r < rows; r++) end = ends[r] > end ? ends[r] : end;
+    for (int j = 0; j < queries; j++) {
+        const float *qj = query + (j / group) * q_row + (size_t)(j % group) * D;
+        for (int i = 0; i < D; i++) s->q[(size_t)j * D + i] = qj[i] * scale;
+        memset(s->acc + (size_t)j * D, 0, sizeof(float) * D);
+        s->m[j] = -INFINITY;
     }
-    memset(s->l, 0, sizeof(float) * (size_t)group * block_size);
+    memset(s->l, 0, sizeof(float) * (size_t)queries * block_size);
 
     const int nblocks = (end + block_size - 1) / block_size;
     for (int b = start / block_size; b < nblocks; b++) {
@@ -265,10 +272,13 @@ void attend_group_f32(Scratch *s, const float *query, float *out, float *part,
             v = (const float *)v_cache + offset;
         }
 
-        /* K and V blocks now sit in L1: every head of the group reuses them. */
-        for (int g = 0; g < group; g++) {
-            const size_t lo = block_bytes * g / group / 64 * 64;
-            const size_t hi = block_bytes * (g + 1) / group;
+        /* K and V blocks now sit in L1: every query of the task reuses them. */
+        for (int j = 0; j < queries; j++) {
+            /* A shorter row's keys end here or before: its query skips what lies past them. */
+            const int left = ends[j / group] - b * block_size, nj = left < n ? left : n;
+            if (nj <= 0) continue;
+            const size_t lo = block_bytes * j / queries / 64 * 64;
+            const size_t hi = block_bytes * (j + 1) / queries;
             for (int ahead = 1; ahead <= 3 && b + ahead < nblocks; ahead++) {
                 const size_t at =
                     ((size_t)kvh * num_blocks + (size_t)table[b + ahead]) * block_bytes;
@@ -283,31 +293,32 @@ void attend_group_f32(Scratch *s, const float *query, float *out, float *part,
                     }
                 }
             }
-            const float *qg = s->q + (size_t)g * D;
-            block_scores(s->score, qg, k, n, block_size, D);
-            const float bmax = block_max(s->score, n);
+            const float *qj = s->q + (size_t)j * D;
+            block_scores(s->score, qj, k, nj, block_size, D);
+            const float bmax = block_max(s->score, nj);
             /* Online softmax: rescale what was accumulated under the old max. The first block
              * has m = -inf, so corr = exp(-inf) = 0 against an all-zero accumulator. Most
              * blocks leave the max where it was, and exp_nonpositive(0) is exactly 1: the
              * test skips a serial chain of ~40 cycles a head (15% of the kernel) for the same
              * bits. */
-            const float m_new = s->m[g] > bmax ? s->m[g] : bmax;
-            const float corr = m_new == s->m[g] ? 1.0f : exp_nonpositive(s->m[g] - m_new);
-            block_exp(s->score, n, m_new);
+            const float m_new = s->m[j] > bmax ? s->m[j] : bmax;
+            const float corr = m_new == s->m[j] ? 1.0f : exp_nonpositive(s->m[j] - m_new);
+            block_exp(s->score, nj, m_new);
             /* The softmax denominator is kept per block slot and summed once at the end: a
              * running scalar sum would be a serial chain of adds. */
-            float *lg = s->l + (size_t)g * block_size;
-            for (int t = 0; t < block_size; t++) lg[t] = lg[t] * corr + (t < n ? s->score[t] : 0.0f);
-            s->m[g] = m_new;
-            accumulate_pv(s->acc + (size_t)g * D, corr, s->score, v, n, D);
+            float *lj = s->l + (size_t)j * block_size;
+            for (int t = 0; t < block_size; t++) lj[t] = lj[t] * corr + (t < nj ? s->score[t] : 0.0f);
+            s->m[j] = m_new;
+            accumulate_pv(s->acc + (size_t)j * D, corr, s->score, v, nj, D);
         }
     }
 
-    for (int g = 0; g < group; g++) {
+    for (int j = 0; j < queries; j++) {
         float l = 0.0f, inv;
-        for (int t = 0; t < block_size; t++) l += s->l[(size_t)g * block_size + t];
-        float *dst = head_result(out, part, g, D, s->m[g], l, &inv);
-        for (int i = 0; i < D; i++) dst[i] = s->acc[(size_t)g * D + i] * inv;
+        for (int t = 0; t < block_size; t++) l += s->l[(size_t)j * block_size + t];
+        float *row_out = out + (j / group) * out_row;
+        float *dst = head_result(row_out, part, j % group, D, s->m[j], l, &inv);
+        for (int i = 0; i < D; i++) dst[i] = s->acc[(size_t)j * D + i] * inv;
     }
 }
 

@@ -280,3 +280,49 @@ def test_a_long_sequence_gets_the_same_bits_alone_in_a_batch_and_on_one_thread()
                 assert torch.equal(alone[0], batch[s]), (threads, s)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float8_e4m3fn], ids=["f32", "bf16", "fp8"])
+def test_verify_rows_of_one_sequence_get_the_bits_each_row_gets_alone(either_build, dtype, threads):
+    """A speculative verify step gives a sequence one row per token it checks, over the same
+    block table, the rows one key longer each. The kernel reads their blocks once for all of them
+    (float32 path); each row must still get exactly what it gets alone, or speculation would
+    change greedy tokens. Around them: a sequence sharing the first block but not the rest (a
+    prefix-cache hit, consecutive lengths: it must not be read through the others' table), rows
+    of a context long enough to be split, and a row alone."""
+    gen = torch.Generator().manual_seed(21)
+    bs, short, long = 16, 203, 1100
+    cache_dtype = BF16 if dtype.itemsize == 1 else dtype
+    case = paged_case(gen, [short + 4, short + 5, long + 2, 40], bs, 3, 64, cache_dtype)
+    k, v = head_major(case.k_cache), head_major(case.v_cache)
+    if dtype.itemsize == 1:
+        k, v = k.to(dtype), v.to(dtype)
+    t = case.block_tables
+    twin = t[1].clone()
+    twin[0] = t[0, 0]  # shares the first block only
+    rows = [(t[0], short + i) for i in range(5)] + [(twin, short + 5)]
+    rows += [(t[2], long + i) for i in range(3)] + [(t[3], 40)]
+    tables = torch.stack([table for table, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    query = torch.randn((len(rows), 9, 64), generator=gen).to(F32 if dtype == F32 else BF16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = cpu_attention.run_decode(
+            query, k, v, tables, lens, int(lens.max()), 0.125, policy=DEFAULT_POLICY
+        )
+        for i, (table, n) in enumerate(rows):
+            alone = cpu_attention.run_decode(
+                query[i : i + 1], k, v, table[None], lens[i : i + 1], n, 0.125,
+                policy=DEFAULT_POLICY,
+            )  # fmt: skip
+            assert torch.equal(alone[0], together[i]), i
+    finally:
+        torch.set_num_threads(previous)
+    for i, (table, n) in enumerate(rows):
+        kc = contiguous_context(k.float(), table, n)
+        vc = contiguous_context(v.float(), table, n)
+        dense = dense_attention(query[i : i + 1].float(), kc, vc, 0.125)[0]
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(together[i].double(), dense, **tol)
