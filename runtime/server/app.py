@@ -213,7 +213,11 @@ class OpenAIServer:
                 ]
             return prompts, echo
 
-        token_ids, echo_texts = await self._off_loop(prepare)
+        if any(isinstance(p, str) for p in req.prompts) or req.echo:
+            token_ids, echo_texts = await self._off_loop(prepare)
+        else:
+            # Token ids need no tokenizer: the thread hop would cost more than the copy.
+            token_ids, echo_texts = prepare()
         prompts = self._sequences(inputs, token_ids, req.params, lora_id=lora_id)
         with self._track():
             if req.stream:
