@@ -39,7 +39,6 @@
 /* Activation rows as the integer dot products read them: per run of 32 values, int16 values
  * x / scale rounded to nearest (scale = the run's largest magnitude / 32767, so the largest maps
  * to +-32767), the scale, and per weight group the float sum of x (for the offsets' term). */
-
 typedef struct {
     int16_t *q;        /* [m, k] */
     float *scale;      /* [m, k / RUN] */
@@ -91,7 +90,6 @@ static inline void rows16_fill(Rows16 *rows, const float *x, int64_t x_stride, i
             rows->group_sum[i * groups + g] = sum;
         }
 }
-
 
 #ifdef BLOCK
 #ifndef FUSED_DOT
