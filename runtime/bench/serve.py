@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "against concurrency)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
-    add_engine_args(p)
+    add_engine_args(p, serving=True)  # the flags of the server it spawns
     p.set_defaults(func=run)
 
 
@@ -159,12 +159,12 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
     return items
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
+def _engine_flags(args: argparse.Namespace, serving: bool = True) -> list[str]:
     """The engine flags this command was given, for the processes it starts: every flag of
-    `add_engine_args` whose value is not its default (a token stays in the environment, out
-    of the process list)."""
+    `add_engine_args` whose value is not the started command's default (`serving`: `kvfleet
+    serve`'s; a token stays in the environment, out of the process list)."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
+    add_engine_args(parser, serving)
     argv = ["--model", args.model]
     for action in parser._actions:  # argparse offers no public walk of its actions
         value = getattr(args, action.dest, action.default)
@@ -198,7 +198,9 @@ async def offline_throughput(args: argparse.Namespace) -> float:
         out = f"{tmp}/offline.json"
         argv = [sys.executable, "-m", "kvfleet.runtime.cli", "bench", "throughput"]
         argv += ["--baseline", "none", "--num-prompts", str(args.num_prompts)]
-        argv += ["--workload-seed", str(args.workload_seed), "--json", out, *_engine_flags(args)]
+        # The server's engine flags, its defaults included: the baseline schedules as it does.
+        argv += ["--workload-seed", str(args.workload_seed), "--json", out]
+        argv += _engine_flags(args, serving=False)
         run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"the offline baseline failed:\n{run.stderr[-2000:]}")

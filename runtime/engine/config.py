@@ -63,9 +63,11 @@ class EngineConfig:
     # Most prompt tokens one request computes in a step (0: up to the whole step budget).
     long_prefill_token_threshold: int = 0
     # While requests decode, a step carrying prompt tokens may take at most this many times
-    # their decode-only step, by measured step times (0: off, prompts take the whole budget).
-    # Off by default: on a 2-core AVX2 host it cut the long-prompt scenario's ITL p99 3.4x but
-    # halved its throughput (docs/benchmarks.md, "Serving").
+    # their decode-only step, by measured step times, or what keeps prefill ahead of arriving
+    # prompts where that is more (0: off, prompts take the whole budget). Streams then keep
+    # flowing while long prompts arrive. Off here, offline, where nobody reads a stream and
+    # the bound would only cost throughput; `kvfleet serve` turns it on
+    # (SERVE_MAX_STEP_TIME_RATIO).
     max_step_time_ratio: float = 0.0
     seed: int = 0
     served_model_name: str | None = None
@@ -209,8 +211,16 @@ def resolve_chat_template(value: str) -> str:
     return value
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags shared by `generate`, `serve` and `bench`."""
+# `kvfleet serve`'s --max-step-time-ratio. On a 2-core CPU (docs/benchmarks.md, "Serving") 4
+# cut ITL p99 at concurrency 32 to a third for output tokens/s within the host's noise, and
+# halved it with long prompts arriving; 3 did a little better on the long prompts but cost 5%
+# of the throughput and doubled TTFT p50.
+SERVE_MAX_STEP_TIME_RATIO = 4.0
+
+
+def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The engine flags shared by `generate`, `serve` and `bench`; with `serving`, the
+    defaults of a server whose streams are read as they come (`kvfleet serve`)."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument(
@@ -329,11 +339,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-step-time-ratio",
         type=float,
-        default=d.max_step_time_ratio,
+        default=SERVE_MAX_STEP_TIME_RATIO if serving else d.max_step_time_ratio,
         help="while requests decode, a step that also computes prompt tokens may take at most "
-        "this many times their decode-only step: prompts get the share of the step that the "
-        "measured step times allow, so streams keep flowing while long prompts arrive, at a "
-        "cost in time to first token and throughput (e.g. 2.5; 0, the default: prompts take "
+        "this many times their decode-only step (by measured step times), or what keeps "
+        "prefill ahead of arriving prompts where that is more: streams keep flowing while long "
+        "prompts arrive, at a cost in time to first token and throughput (0: prompts take "
         "the whole --max-num-batched-tokens; only with chunked prefill)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")

@@ -14,7 +14,10 @@ The scheduler asks for a prompt allowance: while requests are decoding, a step m
 `ratio` times what their decode-only step would, so a long prompt arriving never stalls the
 streams for a whole prefill — it is spread over several steps, each adding a bounded delay to
 every stream's next token. What a fixed token budget cannot do: the allowance on a 2-core CPU
-is tens of tokens a step, on an H100 thousands, for the same ratio.
+is tens of tokens a step, on an H100 thousands, for the same ratio. The allowance is never
+below what keeps prefill ahead of the prompt tokens arriving (PromptPace): where the ratio
+allows less than arrives, prompts would pile up and the streams the ratio protects would thin
+out.
 """
 
 from __future__ import annotations
@@ -125,6 +128,31 @@ class StepTimeModel:
         fixed, per_token = cost
         stall = max((ratio - 1.0) * decode_only, MIN_STALL_S)
         return max(int((stall - fixed) / per_token), 0)
+
+
+# Prompts get at least this many times the prompt tokens arriving per step, so prefill keeps
+# ahead of arrivals whatever the step-time bound allows: a bound below the arrival rate would
+# leave requests queueing for their prompt while fewer and fewer streams decode.
+PACE_HEADROOM = 1.2
+
+
+@dataclass(slots=True)
+class PromptPace:
+    """Prompt tokens arriving per step (new requests and preempted ones' recompute), averaged
+    over roughly the last 100 steps; one arrival's tokens count for the steps after it."""
+
+    rate: float = 0.0
+    _arrived: int = 0
+
+    def arrive(self, tokens: int) -> None:
+        self._arrived += tokens
+
+    def step(self) -> int:
+        """Fold in what arrived since the last step; the prompt tokens a step must be allowed
+        to carry for prefill to keep ahead of arrivals."""
+        self.rate = self.rate * DECAY + self._arrived * (1.0 - DECAY)
+        self._arrived = 0
+        return math.ceil(PACE_HEADROOM * self.rate)
 
 
 def _tempered(seconds: float, expected: float | None) -> float:

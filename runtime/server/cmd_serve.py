@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Prometheus metrics, a deep health check and a graceful drain.",
     )
     add_serve_args(p)
-    add_engine_args(p)
+    add_engine_args(p, serving=True)
     add_vllm_flags(p)  # last: only the vLLM flags kvfleet does not have already
     p.set_defaults(func=run)
 

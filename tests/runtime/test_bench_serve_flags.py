@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from kvfleet.runtime.bench import serve
-from kvfleet.runtime.engine.config import engine_config_from_args
+from kvfleet.runtime.bench import serve, throughput
+from kvfleet.runtime.engine.config import (
+    SERVE_MAX_STEP_TIME_RATIO,
+    EngineConfig,
+    engine_config_from_args,
+)
 from kvfleet.runtime.server import cmd_serve
 
 
@@ -32,3 +36,24 @@ def test_the_spawned_server_gets_the_same_engine_config():
 
 def test_defaults_are_left_to_the_server():
     assert serve._engine_flags(_parse(serve.register, ["serve"])) == ["--model", "bundled"]
+
+
+def test_a_server_bounds_prompt_steps_by_default_and_offline_runs_do_not():
+    """Streams someone reads keep flowing while prompts arrive; offline, prompts take the
+    whole budget (nobody reads a stream there, and the bound costs throughput)."""
+    served = engine_config_from_args(_parse(cmd_serve.register, ["serve"]))
+    assert served.max_step_time_ratio == SERVE_MAX_STEP_TIME_RATIO > 1
+    assert (
+        engine_config_from_args(_parse(throughput.register, ["throughput"])).max_step_time_ratio
+        == 0
+    )
+    assert EngineConfig().max_step_time_ratio == 0  # LLM(...)
+
+
+def test_the_offline_baseline_schedules_as_the_server_does():
+    for given in ([], ["--max-step-time-ratio", "0"], ["--max-step-time-ratio", "4"]):
+        bench = _parse(serve.register, ["serve", *given])
+        offline_flags = serve._engine_flags(bench, serving=False)
+        offline = _parse(throughput.register, ["throughput", *offline_flags])
+        spawned = _parse(cmd_serve.register, ["serve", *serve._engine_flags(bench)])
+        assert engine_config_from_args(offline) == engine_config_from_args(spawned)

@@ -1,0 +1,149 @@
+"""`kvfleet serve`'s step-time bound on closed-loop clients, as `kvfleet bench serve` drives a server:
+streams flow evenly while long prompts arrive, prefill keeps ahead of arriving prompts (the
+bound never starves them), and the throughput it costs is small. Driven without a model, on
+simulated hosts (test_step_time.py), each step timed by the host's costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from kvfleet.runtime.engine import step_time
+from kvfleet.runtime.engine.config import SERVE_MAX_STEP_TIME_RATIO
+from kvfleet.runtime.engine.scheduler import MIN_PROMPT_SHARE, SchedulerConfig
+from kvfleet.runtime.engine.step_time import PACE_HEADROOM, PromptPace
+from test_step_time import Host, TimedRun
+
+# The bundled Q4 model on a 2-core AVX512-BF16 host, as the engine fitted it serving the
+# standard workload at concurrency 32; and one whose op-by-op (mixed) step costs 10 ms more.
+THIS_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.0, per_token=0.00143)
+SWITCHING_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.010, per_token=0.0012)
+
+
+def standard_workload(n: int, long_every: int = 0, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, output) lengths as bench serve draws them; every `long_every`-th prompt 4096."""
+    rng = np.random.default_rng(seed)
+    items = [(int(rng.integers(32, 513)), int(rng.integers(16, 257))) for _ in range(n)]
+    for i in range(0, n, long_every) if long_every else ():
+        items[i] = (4096, items[i][1])
+    return items
+
+
+@dataclass
+class Served:
+    """What the clients saw: simulated seconds in all, gaps between each stream's tokens, and
+    the requests waiting for their first token at each step."""
+
+    seconds: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    waiting_first: list[int] = field(default_factory=list)
+
+    def gap(self, q: float) -> float:
+        return float(np.percentile(self.gaps, q))
+
+
+def serve(
+    config: SchedulerConfig, host: Host, items: list[tuple[int, int]], concurrency: int
+) -> Served:
+    """Clients keep `concurrency` requests in flight, sending the next as one ends."""
+    run = TimedRun(config, host)
+    queue = list(items)
+    served = Served()
+    last: dict[str, float] = {}  # when each stream's latest token came
+    tokens: dict[str, int] = {}
+
+    def send() -> None:
+        prompt, output = queue.pop(0)
+        run.add(f"r{len(items) - len(queue) - 1}", prompt, output)
+
+    for _ in range(min(concurrency, len(queue))):
+        send()
+    while run.sched.has_unfinished():
+        before = set(run.sched.requests)
+        batch = run.step()
+        served.seconds += run.times[-1]
+        for r in batch.requests:
+            if r.num_output_tokens > tokens.get(r.request_id, 0):
+                tokens[r.request_id] = r.num_output_tokens
+                if r.request_id in last:
+                    served.gaps.append(served.seconds - last[r.request_id])
+                last[r.request_id] = served.seconds
+        served.waiting_first.append(
+            sum(1 for r in run.sched.requests.values() if not r.num_output_tokens)
+        )
+        for _ in range(len(before - set(run.sched.requests))):
+            if queue:
+                send()
+    return served
+
+
+BOUNDED = SchedulerConfig(256, 2048, True, 0, SERVE_MAX_STEP_TIME_RATIO)  # kvfleet serve's
+UNBOUNDED = SchedulerConfig(256, 2048, True, 0, 0.0)
+UNCHUNKED = SchedulerConfig(256, 8192, False)
+
+
+@pytest.mark.parametrize("host", [THIS_HOST, SWITCHING_HOST], ids=["this-host", "switching"])
+def test_streams_flow_evenly_while_long_prompts_arrive(host: Host):
+    """bench serve --long-prompt-every 8 --concurrency 8: every 8th prompt is 4096 tokens, two
+    step budgets. With the default bound, a stream's slowest gaps stay within 3x its typical
+    one, and at most half what they are with chunked prefill off."""
+    items = standard_workload(64, long_every=8)
+    bounded = serve(BOUNDED, host, items, 8)
+    unchunked = serve(UNCHUNKED, host, items, 8)
+    assert bounded.gap(99) <= 3 * bounded.gap(50)
+    assert 2 * bounded.gap(99) <= unchunked.gap(99)
+    assert bounded.seconds <= 1.12 * unchunked.seconds  # the same work, a little more spread
+
+
+@pytest.mark.parametrize("host", [THIS_HOST, SWITCHING_HOST], ids=["this-host", "switching"])
+def test_the_bound_costs_closed_loop_clients_little_throughput(host: Host):
+    """The standard workload at concurrency 32: prompts arrive as fast as streams end, and the
+    bound still lets prefill keep up with them."""
+    items = standard_workload(96)
+    assert (
+        serve(BOUNDED, host, items, 32).seconds <= 1.05 * serve(UNBOUNDED, host, items, 32).seconds
+    )
+
+
+def test_prefill_keeps_ahead_of_arrivals_where_the_ratio_alone_would_not(monkeypatch):
+    """Eight streams; the prompts arriving need more of each step than the ratio's allowance.
+    Without the pace, requests pile up waiting for their first token; with it they do not."""
+    items = standard_workload(64, long_every=8)
+    paced = serve(BOUNDED, THIS_HOST, items, 8)
+    monkeypatch.setattr(step_time, "PACE_HEADROOM", 0.0)
+    ratio_only = serve(BOUNDED, THIS_HOST, items, 8)
+    assert np.mean(paced.waiting_first) < 0.6 * np.mean(ratio_only.waiting_first)
+    assert paced.seconds < ratio_only.seconds
+
+
+def test_prompts_in_line_do_not_slice_a_step_thin():
+    """10 prompts wait while 16 streams decode: the step's prompt tokens go to a few prompts,
+    MIN_PROMPT_SHARE or more each, not a sliver to every one (a CPU's small chunks cost more
+    per token)."""
+    run = TimedRun(BOUNDED, THIS_HOST)
+    for i in range(16):
+        run.add(f"r{i}", 32, 500)
+    for _ in range(3):
+        run.step()
+    for i in range(16, 26):
+        run.add(f"r{i}", 400, 4)
+    for _ in range(20):
+        batch = run.step()
+        slivers = [
+            n
+            for r, n in zip(batch.requests, batch.num_tokens, strict=True)
+            if 1 < n < MIN_PROMPT_SHARE and r.num_computed_tokens < r.num_prompt_tokens
+        ]  # thinner than the share, and not a prompt's last chunk
+        assert len(slivers) <= 1  # at most what is left of the step after the others' shares
+
+
+def test_an_arrivals_tokens_are_paid_out_over_the_steps_after_it():
+    """The pace's allowance, summed over the steps after one prompt arrives, covers the prompt
+    (PACE_HEADROOM times it, in the limit), and fades once it has."""
+    pace = PromptPace()
+    pace.arrive(4096)
+    allowed = [pace.step() for _ in range(1000)]
+    assert sum(allowed[:400]) >= 4096
+    assert sum(allowed) <= PACE_HEADROOM * 4096 + 1000  # each step rounds up by < 1 token
+    assert allowed[0] > allowed[200] > allowed[-1] and allowed[-1] <= 1
