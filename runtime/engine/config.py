@@ -212,9 +212,8 @@ def resolve_chat_template(value: str) -> str:
 
 
 # `kvfleet serve`'s --max-step-time-ratio. On a 2-core CPU (docs/benchmarks.md, "Serving") 4
-# cut ITL p99 at concurrency 32 to a third for output tokens/s within the host's noise, and
-# halved it with long prompts arriving; 3 did a little better on the long prompts but cost 5%
-# of the throughput and doubled TTFT p50.
+# cut ITL p99 at concurrency 32 to a third with output tokens/s within the host's noise, and
+# halved it with long prompts arriving.
 SERVE_MAX_STEP_TIME_RATIO = 4.0
 
 

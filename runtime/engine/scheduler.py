@@ -180,7 +180,7 @@ class Scheduler:
             # Shared among the prompts in line, so a short one behind a long one is not held
             # back for all of the long one's (now many) steps; in shares no thinner than
             # MIN_PROMPT_SHARE, so many prompts in line progress a few at a time.
-            share = min(allowance, self._budget)
+            share = self._budget  # what the decodes and the allowance left the prompts
             cap = min(cap, share // max(min(prompts, share // MIN_PROMPT_SHARE), 1))
         for request in prefills:
             if self._budget <= 0:
