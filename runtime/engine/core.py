@@ -327,6 +327,7 @@ class EngineCore:
             # name the rank instead.
             self.check_health()
             raise exc
+        context = batch.prompt_context()
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r in batch.preempted if self.speculator is not None else ():
@@ -339,10 +340,9 @@ class EngineCore:
         )
         # The step's time, forward and sampling (which waits for the device): what the
         # scheduler sizes the next steps' prompt share by, where it bounds that share.
-        step_times = self.scheduler.step_times
-        if step_times is not None:
-            decodes = result.decode_rows
-            step_times.observe(batch.total_tokens - decodes, decodes, time.perf_counter() - started)
+        if (step_times := self.scheduler.step_times) is not None:
+            seconds, decodes = time.perf_counter() - started, result.decode_rows
+            step_times.observe(batch.total_tokens - decodes, decodes, seconds, context)
         touched: list[Request] = []
         now = time.monotonic()
         spec = self.speculator

@@ -3,7 +3,8 @@
 The first proves the model, cache and sampler work and takes first-call costs out of
 benchmarks; with --max-step-time-ratio the next give the step-time model steps of many shapes
 to size prompt shares from before the first request — decodes of 7 rows down to 1 as sequences
-end one by one, and prefills of three sizes.
+end one by one, and prefills of four sizes: the first comes before any decode step to measure
+it against, the other three give the prompt fit's three terms (step_time.py) a point each.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def warm_up(core: EngineCore) -> None:
         _generate_unseen(core, [(min(16 * (k + 1), longest), k + 1) for k in range(8)], vocab)
         _generate_unseen(core, [(min(64, longest), 2)] * 2, vocab)
         _generate_unseen(core, [(min(24, longest), 2)], vocab)
+        _generate_unseen(core, [(min(256, longest), 2)], vocab)
     core.counters = EngineCounters()
     core.kv.stats = PrefixCacheStats()
 

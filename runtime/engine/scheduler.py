@@ -12,20 +12,23 @@ A step is filled in three passes:
 A prompt's share of one step is at most `long_prefill_token_threshold` tokens (0: the whole
 budget), so several prompts can be part-way through their prefill at once and a short prompt
 that arrived behind a long one is not held back for the whole of the long one's prefill. While
-requests decode, prompts together get at most what keeps the step within
+requests decode, prompts together get at most the time that keeps the step within
 `max_step_time_ratio` of a decode-only step, by the step times measured so far (step_time.py),
-or what keeps prefill ahead of the prompt tokens arriving where that is more (a bound below
-the arrival rate would leave requests queueing for their first token while fewer and fewer
-streams decode): streams keep flowing while long prompts arrive, and closed-loop clients lose
-little throughput (tests/runtime/test_prompt_pace.py).
+or what keeps prefill ahead of the prompt work arriving where that is more (a bound below the
+arrival rate would leave requests queueing for their first token while fewer and fewer streams
+decode); each prompt's chunk is what its share of that time buys where the chunk starts, fewer
+tokens late in a long prompt, whose tokens attend to more context. Streams keep flowing while
+long prompts arrive, and closed-loop clients lose little throughput
+(tests/runtime/test_prompt_pace.py).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later, before any request that arrived after it (its tokens are kept, so nothing is
 lost).
 
 Why this order (issue 22): a request's first token then depends only on the requests that
 arrived no later than it (each step the oldest unfinished prompt gets at least
-min(threshold, budget - running decodes, the step-time allowance) tokens), and an earlier prompt that is no longer
-gets its first token no later than a newer one. Tests: tests/runtime/test_scheduler_fairness.py.
+min(threshold, budget - running decodes, half the step-time allowance) tokens), and an earlier
+prompt that is no longer gets its first token no later than a newer one.
+Tests: tests/runtime/test_scheduler_fairness.py.
 """
 
 from __future__ import annotations
@@ -37,11 +40,17 @@ from dataclasses import dataclass, field
 
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, RequestStatus
-from kvfleet.runtime.engine.step_time import PromptPace, StepTimeModel
+from kvfleet.runtime.engine.step_time import (
+    PromptCost,
+    PromptPace,
+    StepTimeModel,
+    context_sum,
+)
 
-# The smallest share of a step's prompt allowance one prompt gets while several are in line: on
-# a CPU a chunk of 32 tokens costs 1.4x per token what one of 64 does (the bundled model, 2048
-# tokens, AVX512-BF16), so slicing the allowance thinner than this costs throughput for nothing.
+# While several prompts are in line, a step's prompt time goes to a few of them in shares no
+# smaller than this many tokens at a prompt's start cost (and in two at the least): prompts of
+# like length then get their first tokens one after another, in order, rather than all late
+# together, and one arriving behind a long prompt starts at once.
 MIN_PROMPT_SHARE = 64
 
 
@@ -78,6 +87,15 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.requests)
 
+    def prompt_context(self) -> int:
+        """The context its prompt chunks attend to, summed (step_time.context_sum): their
+        attention's work. Read before the step's tokens are counted as computed."""
+        return sum(
+            context_sum(r.num_computed_tokens, n)
+            for r, n in zip(self.requests, self.num_tokens, strict=True)
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -93,6 +111,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
+        # Under the step-time bound (None: none this step): the prompts' seconds left in the
+        # step, one prompt's most, what their chunks cost, and the fewest tokens the step's
+        # first prompt chunk gets.
+        self._prompt_time: float | None = None
+        self._share = 0.0
+        self._cost: PromptCost | None = None
+        self._floor = 0
 
     # --- bookkeeping -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -174,20 +199,18 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
                 self._schedule_decode(request, batch)
-        prompts = len(prefills) + len(self.waiting)
-        allowance = self._bound_prompt_tokens(len(batch.requests), prompts)
-        if allowance is not None and prompts > 1:
-            # Shared among the prompts in line, so a short one behind a long one is not held
-            # back for all of the long one's (now many) steps; in shares no thinner than
-            # MIN_PROMPT_SHARE, so many prompts in line progress a few at a time.
-            share = self._budget  # what the decodes and the allowance left the prompts
-            cap = min(cap, share // max(min(prompts, share // MIN_PROMPT_SHARE), 1))
+        self._bound_prompt_time(len(batch.requests), len(prefills) + len(self.waiting))
         for request in prefills:
             if self._budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING:
-                remaining = request.num_tokens - request.num_computed_tokens
-                self._schedule_running(request, min(remaining, self._budget, cap), batch)
+                start = request.num_computed_tokens
+                most = min(request.num_tokens - start, self._budget, cap)
+                n = self._prompt_tokens(start, most)
+                if most and not n:
+                    break  # the prompts' time in this step is spent
+                if self._schedule_running(request, n, batch):
+                    self._spend(start, n)
 
         if not batch.preempted:
             self._admit_waiting(batch, cap)
@@ -198,27 +221,44 @@ class Scheduler:
                 request.first_scheduled_time = now
         return batch
 
-    def _bound_prompt_tokens(self, decode_rows: int, prompts: int) -> int | None:
-        """With chunked prefill and requests decoding, leave prompts only the tokens the step
-        time allows (step_time.py), or the arriving prompts' pace where that is more: a long
-        prompt then delays each stream's next token by a bounded factor instead of a whole
-        prefill, and prefill keeps ahead of arrivals. When more requests wait for their first
-        token (`prompts`, queued or part-way through their prompt) than streams decode — a
-        burst of arrivals — the allowance grows by that factor: the stall then falls on fewer
-        streams than the first tokens it brings forward. Returns the allowance, None where
-        there is none."""
-        c = self.config
+    def _bound_prompt_time(self, decode_rows: int, prompts: int) -> None:
+        """With chunked prefill and requests decoding, leave prompts only the time the step
+        time allows (step_time.py), or what keeps prefill ahead of the prompt work arriving
+        where that is more: a long prompt then delays each stream's next token by a bounded
+        factor instead of a whole prefill, and prefill keeps ahead of arrivals. When more
+        requests wait for their first token (`prompts`, queued or part-way through their
+        prompt) than streams decode — a burst of arrivals — the time grows by that factor: the
+        stall then falls on fewer streams than the first tokens it brings forward. The time is
+        shared among the prompts in line (MIN_PROMPT_SHARE)."""
+        self._prompt_time = None
         if self.step_times is None or self.pace is None:
-            return None
-        pace = self.pace.step()
-        allowance = self.step_times.prompt_allowance(decode_rows, c.max_step_time_ratio)
-        if allowance is None:
-            return None
-        allowance = max(allowance, c.min_prompt_tokens, pace)
+            return
+        self.pace.step()
+        seconds = self.step_times.prompt_seconds(decode_rows, self.config.max_step_time_ratio)
+        cost = self.step_times.prompt_cost()
+        if seconds is None or cost is None:
+            return
+        seconds = max(seconds, self.pace.seconds(cost))
         if prompts > decode_rows:
-            allowance = allowance * prompts // decode_rows
-        self._budget = min(self._budget, allowance)
-        return allowance
+            seconds = seconds * prompts / decode_rows
+        shares = max(min(prompts, max(int(seconds // cost.seconds(MIN_PROMPT_SHARE, 0)), 2)), 1)
+        self._cost, self._prompt_time, self._share = cost, seconds, seconds / shares
+        self._floor = self.config.min_prompt_tokens
+
+    def _prompt_tokens(self, start: int, most: int) -> int:
+        """How many of at most `most` prompt tokens from position `start` this step carries:
+        what the prompts' time left buys there (a chunk late in a long prompt costs more per
+        token), and at least min_prompt_tokens for the step's first chunk."""
+        if self._prompt_time is None or self._cost is None:
+            return most
+        within = self._cost.tokens_within(min(self._share, self._prompt_time), start)
+        return min(most, max(within, self._floor))
+
+    def _spend(self, start: int, tokens: int) -> None:
+        """Count a scheduled prompt chunk against the prompts' time in this step."""
+        if self._prompt_time is not None and self._cost is not None:
+            self._prompt_time -= self._cost.seconds(tokens, start)
+            self._floor = 0
 
     def _schedule_decode(self, request: Request, batch: ScheduledBatch) -> None:
         """Its next token, and its draft tokens (speculative decoding) where the budget and
@@ -235,16 +275,19 @@ class Scheduler:
         drafts.clear()
         self._schedule_running(request, 1, batch)
 
-    def _schedule_running(self, request: Request, num_new: int, batch: ScheduledBatch) -> None:
+    def _schedule_running(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Schedule `num_new` tokens of `request`, preempting the newest requests for their
+        blocks where needed; False where `request` itself was preempted."""
         while not self.kv.allocate_slots(request, num_new):
             # Newest first: the oldest requests keep their blocks.
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is request:
-                return
+                return False
         batch.requests.append(request)
         batch.num_tokens.append(num_new)
         self._budget -= num_new
+        return True
 
     def _admit_waiting(self, batch: ScheduledBatch, cap: int) -> None:
         adapters = {r.lora_id for r in self.running if r.lora_id}
@@ -270,9 +313,10 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break  # the whole prompt must fit one step; try again next step
                 num_new = self._budget
-            num_new = min(num_new, cap)
-            if not self.kv.allocate_slots(request, num_new, hit_blocks):
-                break  # admission only when the cache has room
+            num_new = self._prompt_tokens(num_hit, min(num_new, cap))
+            if num_new <= 0 or not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break  # admission only when the step has time and the cache has room
+            self._spend(num_hit, num_new)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
             if request.status is RequestStatus.WAITING:

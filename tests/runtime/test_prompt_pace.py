@@ -11,14 +11,20 @@ import numpy as np
 import pytest
 from kvfleet.runtime.engine import step_time
 from kvfleet.runtime.engine.config import SERVE_MAX_STEP_TIME_RATIO
-from kvfleet.runtime.engine.scheduler import MIN_PROMPT_SHARE, SchedulerConfig
-from kvfleet.runtime.engine.step_time import PACE_HEADROOM, PromptPace
+from kvfleet.runtime.engine.scheduler import SchedulerConfig
+from kvfleet.runtime.engine.step_time import PACE_DECAY, PACE_HEADROOM, PromptCost, PromptPace
 from test_step_time import Host, TimedRun
 
-# The bundled Q4 model on a 2-core AVX512-BF16 host, as the engine fitted it serving the
-# standard workload at concurrency 32; and one whose op-by-op (mixed) step costs 10 ms more.
-THIS_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.0, per_token=0.00143)
-SWITCHING_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.010, per_token=0.0012)
+# The bundled Q4 model on a 2-core AVX512-BF16 host: its steps timed serving 4096-token prompts
+# among the standard workload's (a mixed step costs 15 ms more than its decodes alone, a prompt
+# token 0.85 ms and 0.59 us for each token of context it attends to: 3.3 ms a token late in a
+# 4096-token prompt); and as fitted in tokens alone at concurrency 32, where no prompt is longer
+# than 512.
+THIS_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.015, per_token=0.00085, per_context=5.9e-7)
+TOKENS_ONLY_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.0, per_token=0.00143)
+HOSTS = pytest.mark.parametrize(
+    "host", [THIS_HOST, TOKENS_ONLY_HOST], ids=["this-host", "tokens-only"]
+)
 
 
 def standard_workload(n: int, long_every: int = 0, seed: int = 0) -> list[tuple[int, int]]:
@@ -83,20 +89,22 @@ UNBOUNDED = SchedulerConfig(256, 2048, True, 0, 0.0)
 UNCHUNKED = SchedulerConfig(256, 8192, False)
 
 
-@pytest.mark.parametrize("host", [THIS_HOST, SWITCHING_HOST], ids=["this-host", "switching"])
+@HOSTS
 def test_streams_flow_evenly_while_long_prompts_arrive(host: Host):
     """bench serve --long-prompt-every 8 --concurrency 8: every 8th prompt is 4096 tokens, two
-    step budgets. With the default bound, a stream's slowest gaps stay within 3x its typical
+    step budgets. With the default bound, a stream's slowest gaps stay within 2x its typical
     one, and at most half what they are with chunked prefill off."""
     items = standard_workload(64, long_every=8)
     bounded = serve(BOUNDED, host, items, 8)
     unchunked = serve(UNCHUNKED, host, items, 8)
-    assert bounded.gap(99) <= 3 * bounded.gap(50)
+    # 3x is the target on a real host, whose steps vary; the simulated one's do not.
+    assert bounded.gap(99) <= 2 * bounded.gap(50)
     assert 2 * bounded.gap(99) <= unchunked.gap(99)
-    assert bounded.seconds <= 1.12 * unchunked.seconds  # the same work, a little more spread
+    # The same work, spread: over about 3x as many mixed steps, each paying the host's switch.
+    assert bounded.seconds <= 1.2 * unchunked.seconds
 
 
-@pytest.mark.parametrize("host", [THIS_HOST, SWITCHING_HOST], ids=["this-host", "switching"])
+@HOSTS
 def test_the_bound_costs_closed_loop_clients_little_throughput(host: Host):
     """The standard workload at concurrency 32: prompts arrive as fast as streams end, and the
     bound still lets prefill keep up with them."""
@@ -118,9 +126,9 @@ def test_prefill_keeps_ahead_of_arrivals_where_the_ratio_alone_would_not(monkeyp
 
 
 def test_prompts_in_line_do_not_slice_a_step_thin():
-    """10 prompts wait while 16 streams decode: the step's prompt tokens go to a few prompts,
-    MIN_PROMPT_SHARE or more each, not a sliver to every one (a CPU's small chunks cost more
-    per token)."""
+    """10 prompts wait while 16 streams decode: the step's prompt time goes to a few prompts,
+    in shares of MIN_PROMPT_SHARE tokens' time or more (two at the least), not a sliver to every
+    one, so they get their first tokens one after another rather than all late together."""
     run = TimedRun(BOUNDED, THIS_HOST)
     for i in range(16):
         run.add(f"r{i}", 32, 500)
@@ -128,22 +136,44 @@ def test_prompts_in_line_do_not_slice_a_step_thin():
         run.step()
     for i in range(16, 26):
         run.add(f"r{i}", 400, 4)
-    for _ in range(20):
+    for _ in range(40):
         batch = run.step()
-        slivers = [
-            n
-            for r, n in zip(batch.requests, batch.num_tokens, strict=True)
-            if 1 < n < MIN_PROMPT_SHARE and r.num_computed_tokens < r.num_prompt_tokens
-        ]  # thinner than the share, and not a prompt's last chunk
-        assert len(slivers) <= 1  # at most what is left of the step after the others' shares
+        prompts = [n for n in batch.num_tokens if n > 1]
+        assert 0 < len(prompts) <= 3  # two shares, and what the first prompt's end left over
+    assert all(run.first_token.get(f"r{i}") is not None for i in range(16, 20))
 
 
-def test_an_arrivals_tokens_are_paid_out_over_the_steps_after_it():
-    """The pace's allowance, summed over the steps after one prompt arrives, covers the prompt
-    (PACE_HEADROOM times it, in the limit), and fades once it has."""
+def test_a_short_prompt_behind_a_long_one_starts_at_once():
+    """8 streams decode; a 4096-token prompt is part-way through its many steps when a
+    100-token one arrives: the short one shares the steps from the next on, and gets its first
+    token long before the long one."""
+    run = TimedRun(BOUNDED, THIS_HOST)
+    for i in range(8):
+        run.add(f"r{i}", 32, 1000)
+    for _ in range(3):
+        run.step()
+    run.add("r98", 4096, 4)
+    for _ in range(10):
+        run.step()
+    run.add("r99", 100, 4)
+    while "r98" not in run.first_token:
+        run.step()
+    assert run.first_token["r99"] - run.arrived["r99"] <= 10
+    assert run.first_token["r98"] - run.arrived["r99"] >= 30
+
+
+def test_an_arrivals_work_is_paid_out_over_the_steps_after_it():
+    """The pace's time, summed over the steps after one prompt arrives, covers the prompt's
+    work, its tokens and their attention (PACE_HEADROOM times it, in the limit), and fades once
+    it has."""
+    cost = PromptCost(fixed=0.025, per_token=0.00087, per_context=5.7e-7)
+    work = cost.seconds(4096, 0)
     pace = PromptPace()
     pace.arrive(4096)
-    allowed = [pace.step() for _ in range(1000)]
-    assert sum(allowed[:400]) >= 4096
-    assert sum(allowed) <= PACE_HEADROOM * 4096 + 1000  # each step rounds up by < 1 token
-    assert allowed[0] > allowed[200] > allowed[-1] and allowed[-1] <= 1
+    allowed = []
+    for _ in range(2000):
+        pace.step()
+        allowed.append(pace.seconds(cost))
+    assert sum(allowed[:400]) >= work
+    assert sum(allowed) == pytest.approx(PACE_HEADROOM * work * (1 - PACE_DECAY**2000))
+    assert allowed[0] > allowed[200] > allowed[-1] and allowed[-1] < 1e-3 * allowed[0]

@@ -298,9 +298,9 @@ def test_a_verify_step_is_timed_as_decode_rows_not_prompt_tokens(tiny_llama_dir,
     seen: list[tuple[int, int]] = []
     observe = StepTimeModel.observe
 
-    def recording(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+    def recording(self, prompt_tokens: int, decode_rows: int, seconds: float, context: int) -> None:
         seen.append((prompt_tokens, decode_rows))
-        observe(self, prompt_tokens, decode_rows, seconds)
+        observe(self, prompt_tokens, decode_rows, seconds, context)
 
     monkeypatch.setattr(StepTimeModel, "observe", recording)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
