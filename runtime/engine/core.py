@@ -327,7 +327,7 @@ class EngineCore:
             # name the rank instead.
             self.check_health()
             raise exc
-        context = batch.prompt_context()
+        context = batch.prompt_context() if self.scheduler.step_times is not None else 0
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r in batch.preempted if self.speculator is not None else ():

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvfleet.runtime.engine.core_messages import CoreRequest
 from kvfleet.runtime.engine.kv_cache_manager import PrefixCacheStats
 from kvfleet.runtime.engine.sampling_params import SamplingParams
-from kvfleet.runtime.engine.step_time import StepTimeModel
+from kvfleet.runtime.engine.step_time import PromptPace, StepTimeModel
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
@@ -33,6 +33,7 @@ def warm_up(core: EngineCore) -> None:
         _generate_unseen(core, [(min(64, longest), 2)] * 2, vocab)
         _generate_unseen(core, [(min(24, longest), 2)], vocab)
         _generate_unseen(core, [(min(256, longest), 2)], vocab)
+        core.scheduler.pace = PromptPace()  # its prompts are no arrivals to keep pace with
     core.counters = EngineCounters()
     core.kv.stats = PrefixCacheStats()
 

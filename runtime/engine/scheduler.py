@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, RequestStatus
 from kvfleet.runtime.engine.step_time import (
-    PromptCost,
     PromptPace,
+    PromptTime,
     StepTimeModel,
     context_sum,
 )
@@ -111,13 +111,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
-        # Under the step-time bound (None: none this step): the prompts' seconds left in the
-        # step, one prompt's most, what their chunks cost, and the fewest tokens the step's
-        # first prompt chunk gets.
-        self._prompt_time: float | None = None
-        self._share = 0.0
-        self._cost: PromptCost | None = None
-        self._floor = 0
+        self._prompt_time: PromptTime | None = None  # the step-time bound's, this step
 
     # --- bookkeeping -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -242,23 +236,17 @@ class Scheduler:
         if prompts > decode_rows:
             seconds = seconds * prompts / decode_rows
         shares = max(min(prompts, max(int(seconds // cost.seconds(MIN_PROMPT_SHARE, 0)), 2)), 1)
-        self._cost, self._prompt_time, self._share = cost, seconds, seconds / shares
-        self._floor = self.config.min_prompt_tokens
+        self._prompt_time = PromptTime(
+            cost, seconds, seconds / shares, self.config.min_prompt_tokens
+        )
 
     def _prompt_tokens(self, start: int, most: int) -> int:
-        """How many of at most `most` prompt tokens from position `start` this step carries:
-        what the prompts' time left buys there (a chunk late in a long prompt costs more per
-        token), and at least min_prompt_tokens for the step's first chunk."""
-        if self._prompt_time is None or self._cost is None:
-            return most
-        within = self._cost.tokens_within(min(self._share, self._prompt_time), start)
-        return min(most, max(within, self._floor))
+        """How many of at most `most` prompt tokens from position `start` this step carries."""
+        return most if self._prompt_time is None else self._prompt_time.tokens(start, most)
 
     def _spend(self, start: int, tokens: int) -> None:
-        """Count a scheduled prompt chunk against the prompts' time in this step."""
-        if self._prompt_time is not None and self._cost is not None:
-            self._prompt_time -= self._cost.seconds(tokens, start)
-            self._floor = 0
+        if self._prompt_time is not None:
+            self._prompt_time.spend(start, tokens)
 
     def _schedule_decode(self, request: Request, batch: ScheduledBatch) -> None:
         """Its next token, and its draft tokens (speculative decoding) where the budget and

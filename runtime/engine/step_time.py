@@ -6,8 +6,8 @@ on CPU streaming the weights, on a GPU launching kernels — plus a cost per row
 chunks add to a step on top of its decodes (that step's time less the decode-only time of its
 rows): a fixed part, the cost of leaving the decode-only path; a cost per prompt token, the
 weights' work; and a cost per token of context those tokens attend to, attention's work — a
-chunk late in a 4096-token prompt costs about 2.5x per token what the first one does on a CPU,
-so a fit in tokens alone lets late chunks overrun the step. The two fits are kept apart because
+chunk late in a long prompt costs more per token the further in it is, so a fit in tokens
+alone lets late chunks overrun the step. The two fits are kept apart because
 the two kinds of step run different paths — a CPU's decode-only step is one fused C call, a
 mixed step runs op by op — so one fit through all steps would misjudge both. Older steps weigh
 less, so the figures follow a host whose speed drifts.
@@ -192,6 +192,30 @@ class PromptCost:
         while n > 0 and self.seconds(n, start) > seconds:  # rounding
             n -= 1
         return n
+
+
+@dataclass(slots=True)
+class PromptTime:
+    """The prompts' time in one step under the bound: `left` seconds beyond the fixed part,
+    at most `share` of them to one prompt, bought at `cost`; the step's first prompt chunk
+    gets `floor` tokens even where the time buys fewer, so prompts always progress."""
+
+    cost: PromptCost
+    left: float
+    share: float
+    floor: int
+
+    def tokens(self, start: int, most: int) -> int:
+        """How many of at most `most` prompt tokens from position `start` the time left buys
+        (a chunk late in a long prompt, attending to more context, gets fewer)."""
+        return min(
+            most, max(self.cost.tokens_within(min(self.share, self.left), start), self.floor)
+        )
+
+    def spend(self, start: int, tokens: int) -> None:
+        """Count a scheduled chunk against the time left."""
+        self.left -= self.cost.seconds(tokens, start)
+        self.floor = 0
 
 
 @dataclass(slots=True)

@@ -177,3 +177,18 @@ def test_an_arrivals_work_is_paid_out_over_the_steps_after_it():
     assert sum(allowed[:400]) >= work
     assert sum(allowed) == pytest.approx(PACE_HEADROOM * work * (1 - PACE_DECAY**2000))
     assert allowed[0] > allowed[200] > allowed[-1] and allowed[-1] < 1e-3 * allowed[0]
+
+
+def test_a_warmed_up_server_bounds_its_first_steps_and_owes_no_pace(tiny_llama_dir):
+    """The engine's warm-up (kvfleet serve runs it before reporting ready) gives the step-time
+    model a prompt cost to size the first request's steps by, with a point for each of its
+    terms; its own prompts are no arrivals, so the pace starts from nothing."""
+    from kvfleet.runtime.engine.llm import LLM
+
+    with LLM(str(tiny_llama_dir), dtype="float32", max_step_time_ratio=4.0) as llm:
+        llm.engine.warm_up()
+        scheduler = llm.engine.core.scheduler
+        assert scheduler.step_times is not None and scheduler.pace is not None
+        assert scheduler.step_times.prompt_cost() is not None
+        assert scheduler.step_times.prompt.weight > 2.9  # three prompt steps, the oldest faded
+        assert scheduler.pace.tokens == scheduler.pace.context == 0
