@@ -69,6 +69,7 @@ class EngineConfig:
     # the bound would only cost throughput; `kvfleet serve` turns it on
     # (SERVE_MAX_STEP_TIME_RATIO).
     max_step_time_ratio: float = 0.0
+    step_log: str | None = None  # append each step's time and shape to this file (step_log.py)
     seed: int = 0
     served_model_name: str | None = None
     num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
@@ -344,6 +345,14 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
         "prefill ahead of arriving prompts where that is more: streams keep flowing while long "
         "prompts arrive, at a cost in time to first token and throughput (0: prompts take "
         "the whole --max-num-batched-tokens; only with chunked prefill)",
+    )
+    g.add_argument(
+        "--step-log",
+        metavar="FILE",
+        default=None,
+        help="append one JSON line per engine step to FILE: its seconds, decode rows, prompt "
+        "tokens and their context, what the step-time model learns from (`python -m "
+        "kvfleet.runtime.bench.step_log_fit FILE` fits it to a whole run)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
     g.add_argument(

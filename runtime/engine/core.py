@@ -38,6 +38,7 @@ from kvfleet.runtime.engine.speculator import (
     load_draft_model,
     verified_rows,
 )
+from kvfleet.runtime.engine.step_log import StepLog
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 from kvfleet.runtime.models.lora import LoraError
@@ -159,6 +160,7 @@ class EngineCore:
         # schema never holds up the step loop.
         self._compiling = CompilingRequests(self.grammars)
         self.counters = EngineCounters()
+        self.step_log = StepLog(config.step_log) if config.step_log else None  # --step-log
         # Sequences sent out since their last output, by id: the step's outputs are built from
         # these, holding only what is new.
         self._sent: dict[str, int] = {}  # request id → output tokens already reported
@@ -323,11 +325,12 @@ class EngineCore:
         try:
             result = self.runner.execute(batch)
         except Exception as exc:
-            # A collective that failed because a worker died says so in gloo's or NCCL's words;
-            # name the rank instead.
-            self.check_health()
+            self.check_health()  # a collective failed as a worker died: name the rank instead
             raise exc
-        context = batch.prompt_context() if self.scheduler.step_times is not None else 0
+        # Who learns from the step's time: the scheduler's model (under a step bound, to size
+        # the next steps' prompt share by) and --step-log. Only they need the prompt context.
+        observers = [o for o in (self.scheduler.step_times, self.step_log) if o is not None]
+        context = batch.prompt_context() if observers else 0
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r in batch.preempted if self.speculator is not None else ():
@@ -338,11 +341,9 @@ class EngineCore:
         picks = sample_isolated(
             self.sampler, result.logits, rows, result.argmax, result.draft_tokens
         )
-        # The step's time, forward and sampling (which waits for the device): what the
-        # scheduler sizes the next steps' prompt share by, where it bounds that share.
-        if (step_times := self.scheduler.step_times) is not None:
-            seconds, decodes = time.perf_counter() - started, result.decode_rows
-            step_times.observe(batch.total_tokens - decodes, decodes, seconds, context)
+        seconds, decodes = time.perf_counter() - started, result.decode_rows  # with sampling
+        for observer in observers:
+            observer.observe(batch.total_tokens - decodes, decodes, seconds, context)
         touched: list[Request] = []
         now = time.monotonic()
         spec = self.speculator

@@ -26,14 +26,19 @@ def warm_up(core: EngineCore) -> None:
 
     vocab = core.model_config.vocab_size
     longest = max(core.max_model_len - 9, 8)
-    _generate_unseen(core, [(8, 2)], vocab)
-    if core.scheduler.step_times is not None:  # only the prompt bound reads step times
-        core.scheduler.step_times = StepTimeModel()  # first calls are slow: forget them
-        _generate_unseen(core, [(min(16 * (k + 1), longest), k + 1) for k in range(8)], vocab)
-        _generate_unseen(core, [(min(64, longest), 2)] * 2, vocab)
-        _generate_unseen(core, [(min(24, longest), 2)], vocab)
-        _generate_unseen(core, [(min(256, longest), 2)], vocab)
-        core.scheduler.pace = PromptPace()  # its prompts are no arrivals to keep pace with
+    step_log, core.step_log = core.step_log, None  # a --step-log holds the served steps only
+    try:
+        _generate_unseen(core, [(8, 2)], vocab)
+        if core.scheduler.step_times is not None:  # only the prompt bound reads step times
+            core.scheduler.step_times = StepTimeModel()  # first calls are slow: forget them
+            shapes = [(min(16 * (k + 1), longest), k + 1) for k in range(8)]
+            _generate_unseen(core, shapes, vocab)
+            _generate_unseen(core, [(min(64, longest), 2)] * 2, vocab)
+            _generate_unseen(core, [(min(24, longest), 2)], vocab)
+            _generate_unseen(core, [(min(256, longest), 2)], vocab)
+            core.scheduler.pace = PromptPace()  # its prompts are no arrivals to keep pace with
+    finally:
+        core.step_log = step_log
     core.counters = EngineCounters()
     core.kv.stats = PrefixCacheStats()
 
