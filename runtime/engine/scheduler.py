@@ -219,16 +219,20 @@ class Scheduler:
         """With chunked prefill and requests decoding, leave prompts only the time the step
         time allows (step_time.py), or what keeps prefill ahead of the prompt work arriving
         where that is more: a long prompt then delays each stream's next token by a bounded
-        factor instead of a whole prefill, and prefill keeps ahead of arrivals. When more
-        requests wait for their first token (`prompts`, queued or part-way through their
-        prompt) than streams decode — a burst of arrivals — the time grows by that factor: the
-        stall then falls on fewer streams than the first tokens it brings forward. The time is
-        shared among the prompts in line (MIN_PROMPT_SHARE)."""
+        factor instead of a whole prefill, and prefill keeps ahead of arrivals. The factor is
+        of the decode-only step of the streams there will be — those decoding and the requests
+        waiting for their first token (`prompts`, queued or part-way through their prompt) —
+        not of those decoding now: sized by a batch a burst of arrivals has not filled yet, the
+        prompts' time would be too short to fill it, and the batch would stay part-empty for as
+        long as the burst lasts. When more requests wait than decode, the time grows by that
+        factor too: the stall then falls on fewer streams than the first tokens it brings
+        forward. The time is shared among the prompts in line (MIN_PROMPT_SHARE)."""
         self._prompt_time = None
         if self.step_times is None or self.pace is None:
             return
         self.pace.step()
-        seconds = self.step_times.prompt_seconds(decode_rows, self.config.max_step_time_ratio)
+        streams = min(decode_rows + prompts, self.config.max_num_seqs) if decode_rows else 0
+        seconds = self.step_times.prompt_seconds(streams, self.config.max_step_time_ratio)
         cost = self.step_times.prompt_cost()
         if seconds is None or cost is None:
             return
