@@ -96,6 +96,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def is_decoding(self) -> bool:
+        """Whether its next step computes one token, its last (a decode), rather than prompt
+        tokens: the split the scheduler orders a step by and the step-time model prices by."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 

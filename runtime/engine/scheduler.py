@@ -93,7 +93,7 @@ class ScheduledBatch:
         return sum(
             context_sum(r.num_computed_tokens, n)
             for r, n in zip(self.requests, self.num_tokens, strict=True)
-            if r.num_tokens - r.num_computed_tokens > 1
+            if not r.is_decoding
         )
 
 
@@ -186,7 +186,7 @@ class Scheduler:
         decodes = []
         prefills = []
         for r in self.running:
-            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+            (decodes if r.is_decoding else prefills).append(r)
 
         for request in decodes:
             if self._budget <= 0:
