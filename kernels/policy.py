@@ -17,7 +17,7 @@ from dataclasses import dataclass
 # tensors under TRITON_INTERPRET=1).
 BACKENDS = ("auto", "torch", "triton")
 # Fields that turn a path on or off, and fields that bound one (0: the path is off).
-_SWITCHES = ("allow_amx", "fused_decode_step")
+_SWITCHES = ("allow_amx", "fused_decode_step", "fused_prompt_step")
 _LIMITS = {
     "amx_gemm_max_rows": "rows",
     "avx512_bf16_gemm_max_rows": "rows",
@@ -85,6 +85,12 @@ class KernelPolicy:
     # where it applies: the same bits as op by op, one Python call a step instead of six per
     # layer. Off, every step goes op by op (tests and `bench decode-step` compare the two).
     fused_decode_step: bool = True
+    # With fused_decode_step, whether steps carrying prompt chunks (a serving step admitting a
+    # request, a prefill) may run that one C call too, each chunk's attention on the prefill
+    # kernel the per-op path calls: the same bits, 1.06-1.11x faster with 1-32 decodes beside a
+    # 128-token chunk on the bundled model (`kvfleet bench decode-step --prompt-tokens 128`,
+    # docs/results/bench-decode-step-q4-chunk128-avx512bf16.json). Off, they go op by op.
+    fused_prompt_step: bool = True
     # The most sequences of a CPU decode step that goes from token ids to logits in one C call
     # (cpu_decode_logits), which keeps a float32 logits buffer of this many rows: its gain, a
     # millisecond of Python and torch calls a step, matters where steps are short (few

@@ -32,6 +32,20 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_d64(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> Path:
+    """head_dim 64, the shape whose attention and prefill run on AMX tiles (the other tiny
+    models' 16 take the vector paths)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-d64"),
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
 @pytest.fixture(params=ENGINES)
 def bf16_gemm_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Bf16Engine:
     """Each engine of the bf16 decode-sized GEMM in turn, with the kernel policy that runs it

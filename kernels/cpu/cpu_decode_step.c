@@ -1,4 +1,4 @@
-/* A decode step through a whole Llama-family decoder stack in one call.
+/* A step through a whole Llama-family decoder stack in one call.
  *
  * Why: per layer the model makes six kernel calls (RMSNorm + qkv, rotary + cache write,
  * attention, o, RMSNorm + gate/up, SiLU-and-mul + down), each behind Python checks, a tensor or
@@ -11,10 +11,18 @@
  * (kernels stubbed out: 3.2 ms, plus 3.6 us per ctypes call); the rest of the difference is not
  * attributed (the OpenMP wait policy did not change it).
  *
- * kvfleet_decode_step_bf16 takes decode-only steps of bf16 weights packed by cpu_gemm.pack and
- * head-major bf16 caches, on the bf16 GEMM engine gemm_kernel names (AMX, or AVX512-BF16 vectors
- * without AMX), up to the rows where the per-op path's projections run on that same engine
- * (cpu_gemm.max_rows()). kvfleet_decode_step_f32 is the float32 model's (the CPU default
+ * A step may carry prompt chunks after its decodes (a serving step that admits a new request):
+ * every row goes through the same projections, and attention runs the decode kernel over the
+ * decode rows, then the prefill kernel the per-op path calls over each chunk (`StepSeqs`). Op by
+ * op, 1 / 8 / 32 decodes beside a 128-token chunk took 8.6 / 14.1 / 20.7 ms longer on the
+ * bundled model (2-core AVX512-BF16 host, `kvfleet bench decode-step --prompt-tokens 128`,
+ * docs/results/bench-decode-step-q4-chunk128-avx512bf16.json); serving at concurrency 32 puts a
+ * chunk in a third of its steps.
+ *
+ * kvfleet_stack_step_bf16 takes steps of bf16 weights packed by cpu_gemm.pack and head-major
+ * bf16 caches, on the bf16 GEMM engine gemm_kernel names (AMX, or AVX512-BF16 vectors without
+ * AMX), up to the rows where the per-op path's projections run on that same engine
+ * (cpu_gemm.max_rows()). kvfleet_stack_step_f32 is the float32 model's (the CPU default
  * without AVX512-BF16): plain float32 weights, float32 caches, and steps of the rows the per-op
  * path runs on cpu_gemm_f32 (cpu_gemm_f32.MIN_ROWS to MAX_ROWS), its kernels the per-op path's
  * float32 ones: RMSNorm, the GEMM, rotary + cache write, attention, SiLU-and-mul.
@@ -26,7 +34,7 @@
 
 #include "cpu_entry_points.h"
 
-enum { OK = 0, ERR_NOMEM = 2, ERR_TOKEN = 4 };
+enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_TOKEN = 4 };
 /* A failure is reported as ((layer * STAGES) + stage) * STATUS_RANGE + the kernel's status;
  * STAGE_ENDS (the embedding lookup, final norm and LM head of kvfleet_decode_logits_*) as
  * layer 0's. */
@@ -72,6 +80,16 @@ typedef struct {
     float *scratch;
 } DecodeStack;
 
+/* A step's sequences in LlamaModel's batch order: the first num_decodes have one row each (rows
+ * 0 .. num_decodes - 1); sequence i after them is a prompt chunk, rows query_start[i] ..
+ * query_start[i + 1] - 1 (AttentionMetadata's query_start_loc). A decode-only step has
+ * num_seqs == num_decodes == m and may leave query_start NULL. */
+typedef struct {
+    int32_t num_seqs, num_decodes;
+    const int32_t *query_start;
+    int32_t prefill_amx; /* bf16 chunks on the AMX prefill kernel, else on the vector one */
+} StepSeqs;
+
 /* A float32 step's projection: the plain weight's GEMM or, for a quantized one, its in-register
  * GEMM or the float32 GEMM on the weight dequantized into `scratch`, as the per-op path
  * (dispatch.Kernels.linear) runs them. */
@@ -98,14 +116,16 @@ static int project_f32(int quantized, int64_t quant_max_rows, float *scratch, co
         }                                                                                  \
     } while (0)
 
-/* One layer's rotary + cache write, then attention: the same two calls in both dtypes (the
+/* One layer's rotary + cache write, then attention: the decode kernel over the decode rows and
+ * the prefill kernel over each prompt chunk, the calls the per-op path makes in both dtypes (the
  * activations' and the caches', elem bytes each). q, k and v are column ranges of the qkv rows.
  * Returns OK, or stage * STATUS_RANGE + the failing kernel's status. */
 static int rotate_cache_attend(const DecodeStack *stack, const DecodeLayer *w, char *qkv,
-                               void *attn, int dtype, size_t elem, int64_t m,
+                               char *attn, int dtype, size_t elem, int64_t m,
                                const int64_t *positions, const int64_t *slots,
                                const int32_t *block_tables, int64_t table_stride,
-                               const int32_t *seq_lens, int allow_amx, int num_threads) {
+                               const int32_t *seq_lens, const StepSeqs *seqs, int allow_amx,
+                               int num_threads) {
     const int64_t d = stack->head_dim;
     const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
     const int64_t qkv_n = q_size + 2 * kv_size;
@@ -115,11 +135,30 @@ static int rotate_cache_attend(const DecodeStack *stack, const DecodeLayer *w, c
         stack->cos_sin, stack->cos_sin_stride, stack->max_position, w->k_cache, w->v_cache, slots,
         stack->num_blocks, stack->block_size, dtype, num_threads);
     if (status != OK) return STAGE_ROTARY_CACHE * STATUS_RANGE + status;
-    status = kvfleet_decode_attention(qkv, qkv_n, attn, q_size, dtype, w->k_cache, w->v_cache,
-                                      dtype, block_tables, table_stride, seq_lens, (int)m,
-                                      stack->num_heads, stack->num_kv_heads, (int)d,
-                                      stack->block_size, stack->num_blocks, stack->scale,
-                                      num_threads, allow_amx);
+    if (seqs->num_decodes > 0)
+        status = kvfleet_decode_attention(qkv, qkv_n, attn, q_size, dtype, w->k_cache, w->v_cache,
+                                          dtype, block_tables, table_stride, seq_lens,
+                                          seqs->num_decodes, stack->num_heads,
+                                          stack->num_kv_heads, (int)d, stack->block_size,
+                                          stack->num_blocks, stack->scale, num_threads,
+                                          allow_amx);
+    for (int32_t i = seqs->num_decodes; i < seqs->num_seqs && status == OK; i++) {
+        const int32_t row = seqs->query_start[i], q_len = seqs->query_start[i + 1] - row;
+        const char *query = qkv + row * qkv_n * elem;
+        char *out = attn + row * q_size * elem;
+        const int32_t *table = block_tables + i * table_stride;
+        if (dtype == DTYPE_FLOAT32)
+            status = kvfleet_prefill_attention_f32(
+                (const float *)query, qkv_n, (float *)out, q_size, w->k_cache, w->v_cache, table,
+                seq_lens[i], q_len, stack->num_heads, stack->num_kv_heads, (int)d,
+                stack->block_size, stack->num_blocks, stack->scale, num_threads);
+        else
+            status = (seqs->prefill_amx ? kvfleet_prefill_attention_bf16
+                                        : kvfleet_prefill_attention_bf16_vec)(
+                (const uint16_t *)query, qkv_n, (uint16_t *)out, q_size, w->k_cache, w->v_cache,
+                table, seq_lens[i], q_len, stack->num_heads, stack->num_kv_heads, (int)d,
+                stack->block_size, stack->num_blocks, stack->scale, num_threads);
+    }
     return status == OK ? OK : STAGE_ATTENTION * STATUS_RANGE + status;
 }
 
@@ -133,15 +172,15 @@ static int rotate_cache_attend(const DecodeStack *stack, const DecodeLayer *w, c
         }                                                                                  \
     } while (0)
 
-/* m sequences, one new token each: hidden [m, hidden] bf16 holds their embeddings and becomes
- * the last layer's output; residual [m, hidden] float32 (contents ignored) becomes the residual
- * stream beside it, as LlamaModel.forward's loop leaves them. positions and slots [m] int64,
- * block tables int32 rows table_stride apart, seq_lens [m] int32 (the new token included). */
-int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual,
-                             int64_t m, const int64_t *positions, const int64_t *slots,
-                             const int32_t *block_tables, int64_t table_stride,
-                             const int32_t *seq_lens, int allow_amx, int num_threads,
-                             int gemm_kernel) {
+/* A step of m rows (seqs says which sequences they belong to): hidden [m, hidden] bf16 holds
+ * their embeddings and becomes the last layer's output; residual [m, hidden] float32 (contents
+ * ignored) becomes the residual stream beside it, as LlamaModel.forward's loop leaves them.
+ * positions and slots [m] int64; per sequence, block tables int32 rows table_stride apart and
+ * seq_lens int32 (this step's tokens included). */
+static int step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual, int64_t m,
+                     const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                     int64_t table_stride, const int32_t *seq_lens, const StepSeqs *seqs,
+                     int allow_amx, int num_threads, int gemm_kernel) {
     const int64_t h = stack->hidden, d = stack->head_dim;
     const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
     const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * (int64_t)stack->intermediate;
@@ -155,9 +194,9 @@ int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *
         FAIL(STAGE_QKV, kvfleet_linear_bf16(hidden, h, PROLOGUE_RMS_NORM, residual, layer > 0,
                                             w->input_norm, stack->eps, w->qkv, w->qkv_bias, qkv,
                                             qkv_n, m, qkv_n, h, gemm_kernel, num_threads));
-        FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_BFLOAT16,
+        FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, (char *)attn, DTYPE_BFLOAT16,
                                         sizeof(uint16_t), m, positions, slots, block_tables,
-                                        table_stride, seq_lens, allow_amx, num_threads));
+                                        table_stride, seq_lens, seqs, allow_amx, num_threads));
         FAIL(STAGE_O, kvfleet_linear_bf16(attn, q_size, PROLOGUE_NONE, NULL, 0, NULL, 0.0f, w->o,
                                           NULL, hidden, h, m, h, q_size, gemm_kernel,
                                           num_threads));
@@ -176,10 +215,10 @@ int kvfleet_decode_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *
 /* The float32 step: the same arguments, hidden [m, hidden] float32. The normalised rows and
  * SwiGLU's product get buffers of their own, where the bf16 step's GEMM takes both as prologues
  * of its packing. */
-int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *residual, int64_t m,
-                            const int64_t *positions, const int64_t *slots,
-                            const int32_t *block_tables, int64_t table_stride,
-                            const int32_t *seq_lens, int allow_amx, int num_threads) {
+static int step_f32(const DecodeStack *stack, float *hidden, float *residual, int64_t m,
+                    const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                    int64_t table_stride, const int32_t *seq_lens, const StepSeqs *seqs,
+                    int allow_amx, int num_threads) {
     const int64_t h = stack->hidden, d = stack->head_dim, inter = stack->intermediate;
     const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
     const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * inter;
@@ -199,9 +238,9 @@ int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *resi
         FAIL(STAGE_QKV, kvfleet_add_rms_norm(hidden, h, residual, layer > 0, w->input_norm, normed,
                                              m, (int)h, eps, DTYPE_FLOAT32, num_threads));
         FAIL(STAGE_QKV, PROJECT(normed, h, w->qkv, w->qkv_bias, qkv, qkv_n, qkv_n, h));
-        FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, attn, DTYPE_FLOAT32, sizeof(float),
-                                        m, positions, slots, block_tables, table_stride, seq_lens,
-                                        allow_amx, num_threads));
+        FAIL_ATTEND(rotate_cache_attend(stack, w, (char *)qkv, (char *)attn, DTYPE_FLOAT32,
+                                        sizeof(float), m, positions, slots, block_tables,
+                                        table_stride, seq_lens, seqs, allow_amx, num_threads));
         FAIL(STAGE_O, PROJECT(attn, q_size, w->o, NULL, hidden, h, h, q_size));
         FAIL(STAGE_GATE_UP, kvfleet_add_rms_norm(hidden, h, residual, 1, w->post_norm, normed, m,
                                                  (int)h, eps, DTYPE_FLOAT32, num_threads));
@@ -215,6 +254,32 @@ int kvfleet_decode_step_f32(const DecodeStack *stack, float *hidden, float *resi
     return OK;
 }
 #undef PROJECT
+
+/* The step functions' exported form: num_seqs sequences, the first num_decodes of one row each,
+ * the rest prompt chunks starting at query_start's rows (NULL for a decode-only step), bf16
+ * chunks on the AMX prefill kernel where prefill_amx is set. */
+int kvfleet_stack_step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual,
+                            int64_t m, const int64_t *positions, const int64_t *slots,
+                            const int32_t *block_tables, int64_t table_stride,
+                            const int32_t *seq_lens, int32_t num_seqs, int32_t num_decodes,
+                            const int32_t *query_start, int prefill_amx, int allow_amx,
+                            int num_threads, int gemm_kernel) {
+    const StepSeqs seqs = {num_seqs, num_decodes, query_start, prefill_amx};
+    if (num_decodes < num_seqs && !query_start) return STAGE_ATTENTION * STATUS_RANGE + ERR_SHAPE;
+    return step_bf16(stack, hidden, residual, m, positions, slots, block_tables, table_stride,
+                     seq_lens, &seqs, allow_amx, num_threads, gemm_kernel);
+}
+
+int kvfleet_stack_step_f32(const DecodeStack *stack, float *hidden, float *residual, int64_t m,
+                           const int64_t *positions, const int64_t *slots,
+                           const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *seq_lens, int32_t num_seqs, int32_t num_decodes,
+                           const int32_t *query_start, int allow_amx, int num_threads) {
+    const StepSeqs seqs = {num_seqs, num_decodes, query_start, 0};
+    if (num_decodes < num_seqs && !query_start) return STAGE_ATTENTION * STATUS_RANGE + ERR_SHAPE;
+    return step_f32(stack, hidden, residual, m, positions, slots, block_tables, table_stride,
+                    seq_lens, &seqs, allow_amx, num_threads);
+}
 
 /* What a step runs besides the decoder stack, for the one call from token ids to logits: the
  * embedding table it starts from, the final norm and the LM head it ends with. */
@@ -239,7 +304,7 @@ enum { WIDEN_MIN_ELEMS = 1 << 16 }; /* below this one thread widens the bf16 log
  * (else NULL) each row's argmax too, by the kernel greedy sampling calls. Why one call:
  * after a step's kernels the Python and torch calls around them run from cold caches, ~1 ms a
  * step on the 2-core host for the dozen the two-call path makes (cpu_decode_logits.py). The
- * other arguments are kvfleet_decode_step_*'s; gemm_kernel is unused in float32. */
+ * other arguments are kvfleet_stack_step_*'s; gemm_kernel is unused in float32. */
 static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int dtype,
                          const int64_t *ids, int64_t m, const int64_t *positions,
                          const int64_t *slots, const int32_t *block_tables,
@@ -262,13 +327,13 @@ static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int d
     for (int64_t i = 0; i < m; i++)
         memcpy(hidden + i * h * elem, (const char *)ends->embed + ids[i] * h * elem, h * elem);
 
-    int status =
-        bf16 ? kvfleet_decode_step_bf16(stack, (uint16_t *)hidden, residual, m, positions, slots,
-                                        block_tables, table_stride, seq_lens, allow_amx,
-                                        num_threads, gemm_kernel)
-             : kvfleet_decode_step_f32(stack, (float *)hidden, residual, m, positions, slots,
-                                       block_tables, table_stride, seq_lens, allow_amx,
-                                       num_threads);
+    const StepSeqs decodes = {(int32_t)m, (int32_t)m, NULL, 0};
+    int status = bf16 ? step_bf16(stack, (uint16_t *)hidden, residual, m, positions, slots,
+                                  block_tables, table_stride, seq_lens, &decodes, allow_amx,
+                                  num_threads, gemm_kernel)
+                      : step_f32(stack, (float *)hidden, residual, m, positions, slots,
+                                 block_tables, table_stride, seq_lens, &decodes, allow_amx,
+                                 num_threads);
     if (status == OK) {
         status = kvfleet_add_rms_norm(hidden, h, residual, 1, ends->norm, normed, m, (int)h,
                                       stack->eps, dtype, num_threads);
@@ -300,7 +365,7 @@ static int decode_logits(const DecodeStack *stack, const DecodeEnds *ends, int d
     return status;
 }
 
-/* kvfleet_decode_step_bf16's step from token ids (ids [m] int64) to float32 logits, and with
+/* A decode-only step_bf16 from token ids (ids [m] int64) to float32 logits, and with
  * argmax ([m] int64, else NULL) each row's argmax. */
 int kvfleet_decode_logits_bf16(const DecodeStack *stack, const DecodeEnds *ends,
                                const int64_t *ids, int64_t m, const int64_t *positions,
@@ -313,7 +378,7 @@ int kvfleet_decode_logits_bf16(const DecodeStack *stack, const DecodeEnds *ends,
                          gemm_kernel);
 }
 
-/* kvfleet_decode_step_f32's step from token ids to float32 logits (and argmaxes). */
+/* A decode-only step_f32 from token ids to float32 logits (and argmaxes). */
 int kvfleet_decode_logits_f32(const DecodeStack *stack, const DecodeEnds *ends,
                               const int64_t *ids, int64_t m, const int64_t *positions,
                               const int64_t *slots, const int32_t *block_tables,

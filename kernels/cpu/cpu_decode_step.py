@@ -1,13 +1,17 @@
-"""A decode step through a whole Llama-family decoder stack in one C call
-(kernels/cpu/cpu_decode_step.c).
+"""A step through a whole Llama-family decoder stack in one C call
+(kernels/cpu/cpu_decode_step.c): decode-only steps, and steps carrying prompt chunks after their
+decodes.
 
 The C side chains the kernels the per-op path calls per layer (RMSNorm + qkv, rotary + cache
-write, decode attention, o, RMSNorm + gate/up, SiLU-and-mul + down) in the same order on the same
-inputs: the same bits, with one Python call a step instead of six per layer. On the 2-core host
-that took a bf16 bundled-model decode step from 26.6 to 16.1 ms at 1 sequence and from 69.1 to
-53.5 ms at 32 (medians, `kvfleet bench decode-step`, docs/results/bench-decode-step.json), and
-on an AVX-512-only host a float32 one from 41.9 to 32.8 ms at 4 sequences, 87.2 to 73.6 at 32
-and 293.6 to 275.3 at 128 (`--dtype float32`, docs/results/bench-decode-step-float32.json).
+write, decode attention and each chunk's prefill attention, o, RMSNorm + gate/up, SiLU-and-mul +
+down) in the same order on the same inputs: the same bits, with one Python call a step instead
+of six per layer. On the 2-core host that took a bf16 bundled-model decode step from 26.6 to
+16.1 ms at 1 sequence and from 69.1 to 53.5 ms at 32 (medians, `kvfleet bench decode-step`,
+docs/results/bench-decode-step.json), and on an AVX-512-only host a float32 one from 41.9 to
+32.8 ms at 4 sequences, 87.2 to 73.6 at 32 and 293.6 to 275.3 at 128 (`--dtype float32`,
+docs/results/bench-decode-step-float32.json); with a 128-token chunk beside 1 / 8 / 32 decodes
+of the bundled model kept 4-bit, 147.7 / 168.8 / 208.9 ms op by op against 139.1 / 154.6 /
+188.3 (`--prompt-tokens 128`, docs/results/bench-decode-step-q4-chunk128-avx512bf16.json).
 
 Two forms, by the model's dtype. bf16: weights prepacked for cpu_gemm (whose AMX engine runs on
 AMX hosts, its AVX512-BF16 one elsewhere), head-major bf16 caches, up to
@@ -15,8 +19,9 @@ AMX hosts, its AVX512-BF16 one elsewhere), head-major bf16 caches, up to
 weights, head-major float32 caches, the rows the per-op path runs on `cpu_gemm_f32`; or 4-bit /
 8-bit weights (every projection), the rows the per-op path runs on `cpu_gemm_quant`.
 `build` says once per stack and set of caches whether one applies; `DecodeStack.accepts` says
-per step, under the kernel policy the step runs (decodes only, as many as the per-op path runs
-on the same GEMM kernel, and only where the policy allows the fused step).
+per step, under the kernel policy the step runs (as many rows as the per-op path runs on the
+same GEMM kernel, prompt chunks only where the per-op path would run them on a prefill kernel,
+and only where the policy allows the fused step).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from kvfleet.kernels.cpu import (
     cpu_gemm_quant,
     cpu_library,
     cpu_linear,
+    cpu_prefill,
 )
 from kvfleet.kernels.metadata import AttentionMetadata
 from kvfleet.kernels.policy import KernelPolicy
@@ -189,6 +195,10 @@ class DecodeStack:
             self._stack.scratch = self._scratch.data_ptr()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_position = cos_sin_cache.shape[0]
+        # One token's query as attention sees it, and the caches: what `cpu_prefill` is asked
+        # whether it takes a step's prompt chunks, as the per-op path asks it of the real ones.
+        query = torch.empty(1, shape.num_heads, shape.head_dim, dtype=dtype)
+        self._prefill_probe = (query, *kv_caches[0])
 
     @property
     def c_struct(self) -> ctypes.Structure:
@@ -216,12 +226,11 @@ class DecodeStack:
         return lo <= rows <= hi
 
     def accepts(self, meta: AttentionMetadata, rows: int, policy: KernelPolicy) -> bool:
-        """Whether this step runs here under `policy`: the fused step allowed, only decodes, as
-        many as `takes_rows`."""
-        return (
+        """Whether this step runs here under `policy`: the fused step allowed, as many rows as
+        `takes_rows`, and any prompt chunks allowed too and taken by the prefill kernel."""
+        if not (
             policy.fused_decode_step
             and self.takes_rows(rows, policy)
-            and meta.num_decodes == rows == meta.num_seqs
             and meta.block_tables.dtype == torch.int32
             and meta.block_tables.stride(-1) == 1
             and meta.seq_lens.dtype == torch.int32
@@ -229,6 +238,26 @@ class DecodeStack:
             and meta.slot_mapping.dtype == torch.int64
             and meta.slot_mapping.is_contiguous()
             and meta.slot_mapping.numel() == rows
+        ):
+            return False
+        if meta.num_decodes == meta.num_seqs:
+            return meta.num_decodes == rows
+        return policy.fused_prompt_step and self._prefill_takes(meta, policy)
+
+    def _prefill_takes(self, meta: AttentionMetadata, policy: KernelPolicy) -> bool:
+        """Whether the per-op path would run each of the step's prompt chunks on the prefill
+        kernel the C step calls (elsewhere it computes them with SDPA, other bits)."""
+        query, k_cache, v_cache = self._prefill_probe
+        starts = meta.query_start_loc
+        return (
+            starts.dtype == torch.int32
+            and starts.is_contiguous()
+            and cpu_prefill.available(self.dtype, policy=policy)
+            and cpu_prefill.supports(query, k_cache, v_cache, policy=policy)
+            and all(
+                cpu_prefill.takes(query, seq_len, policy=policy)
+                for seq_len in meta.seq_lens_host[meta.num_decodes :]
+            )
         )
 
     def run(
@@ -249,7 +278,7 @@ class DecodeStack:
         ):
             name = "bf16" if self.dtype == _BF16 else "float32"
             raise ValueError(
-                f"decode step: hidden must be contiguous {name} [{rows}, {self.hidden}], got "
+                f"fused step: hidden must be contiguous {name} [{rows}, {self.hidden}], got "
                 f"{tuple(hidden.shape)} {hidden.dtype}"
             )
         if positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -258,17 +287,23 @@ class DecodeStack:
         self.route(policy)
         tables = meta.block_tables
         lib = cpu_library.library()
+        prompts = meta.num_decodes < meta.num_seqs
         args = (
             ctypes.byref(self._stack), hidden.data_ptr(), residual.data_ptr(), rows,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-            tables.stride(0), meta.seq_lens.data_ptr(), int(policy.allow_amx),
-            torch.get_num_threads(),
+            tables.stride(0), meta.seq_lens.data_ptr(), meta.num_seqs, meta.num_decodes,
+            meta.query_start_loc.data_ptr() if prompts else None,
         )  # fmt: skip
+        threads = torch.get_num_threads()
         if self.dtype == _BF16:
-            # The engine the per-op path's projections run on, asked per step as they ask it.
-            status = lib.kvfleet_decode_step_bf16(*args, cpu_gemm.kernel(policy))
+            # The engines the per-op path's projections and prefills run on, asked per step as
+            # they ask them.
+            amx = prompts and cpu_prefill.bf16_kernel(policy) == cpu_prefill.KERNEL_AMX
+            status = lib.kvfleet_stack_step_bf16(
+                *args, int(amx), int(policy.allow_amx), threads, cpu_gemm.kernel(policy)
+            )
         else:
-            status = lib.kvfleet_decode_step_f32(*args)
+            status = lib.kvfleet_stack_step_f32(*args, int(policy.allow_amx), threads)
         if status != 0:
             self.raise_status(status)
         return hidden, residual
@@ -283,13 +318,13 @@ class DecodeStack:
             capacity = self.num_blocks * self.block_size
             raise IndexError(f"reshape_and_cache: a slot is past the cache ({capacity})")
         if stage == 0:
-            raise MemoryError("decode step: out of memory for its activations")
+            raise MemoryError("fused step: out of memory for its activations")
         if stage == _ENDS_STAGE:
             raise RuntimeError(
-                f"decode step: the final RMSNorm or LM head failed with status {code}"
+                f"fused step: the final RMSNorm or LM head failed with status {code}"
             )
         raise RuntimeError(
-            f"decode step: layer {layer}'s {_STAGES.get(stage, stage)} kernel failed with "
+            f"fused step: layer {layer}'s {_STAGES.get(stage, stage)} kernel failed with "
             f"status {code}"
         )
 

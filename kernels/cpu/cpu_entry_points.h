@@ -64,4 +64,23 @@ int kvfleet_decode_attention(const void *query_io, int64_t q_stride, void *out_i
                              int num_heads, int num_kv_heads, int head_dim, int block_size,
                              int64_t num_blocks, float scale, int num_threads, int allow_amx);
 
+/* cpu_prefill.c, cpu_prefill_f32.c */
+int kvfleet_prefill_attention_bf16(const uint16_t *query, int64_t q_stride, uint16_t *out,
+                                   int64_t out_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, const int32_t *block_table,
+                                   int seq_len, int q_len, int num_heads, int num_kv_heads,
+                                   int head_dim, int block_size, int64_t num_blocks, float scale,
+                                   int num_threads);
+int kvfleet_prefill_attention_bf16_vec(const uint16_t *query, int64_t q_stride, uint16_t *out,
+                                       int64_t out_stride, const uint16_t *k_cache,
+                                       const uint16_t *v_cache, const int32_t *block_table,
+                                       int seq_len, int q_len, int num_heads, int num_kv_heads,
+                                       int head_dim, int block_size, int64_t num_blocks,
+                                       float scale, int num_threads);
+int kvfleet_prefill_attention_f32(const float *query, int64_t q_stride, float *out,
+                                  int64_t out_stride, const float *k_cache, const float *v_cache,
+                                  const int32_t *block_table, int seq_len, int q_len,
+                                  int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                  int64_t num_blocks, float scale, int num_threads);
+
 #endif

@@ -68,7 +68,8 @@ MAX_ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
 # cpu_entry_points.h's DTYPE_* codes: the element type of activations and caches across the ABI.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
-_i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i, _i32, _i64 = ctypes.c_int, ctypes.c_int32, ctypes.c_int64
+_f, _p = ctypes.c_float, ctypes.c_void_p
 # The library's C ABI in one place: argument types of every exported function (all return int).
 SIGNATURES: dict[str, list[type]] = {
     # query, q_stride, out, out_stride, io_dtype, k_cache, v_cache, dtype, block_tables,
@@ -117,9 +118,10 @@ SIGNATURES: dict[str, list[type]] = {
     "kvfleet_quant_block": [],
     "kvfleet_quant_fused_dot": [],
     # stack (a DecodeStack), hidden, residual, m, positions, slots, block_tables,
-    # table_stride, seq_lens, allow_amx, num_threads (bf16: then the GEMM kernel)
-    "kvfleet_decode_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i, _i],
-    "kvfleet_decode_step_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i, _i],
+    # table_stride, seq_lens, num_seqs, num_decodes, query_start (or NULL), (bf16:
+    # prefill_amx,) allow_amx, num_threads (bf16: then the GEMM kernel)
+    "kvfleet_stack_step_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i32, _i32, _p, _i, _i, _i, _i],
+    "kvfleet_stack_step_f32": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i32, _i32, _p, _i, _i],
     # stack, ends (a DecodeEnds), ids, m, positions, slots, block_tables, table_stride,
     # seq_lens, logits, argmax (or NULL), allow_amx, num_threads (bf16: then the GEMM kernel)
     "kvfleet_decode_logits_bf16": [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i, _i, _i],

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "cpu_amx.h"
+#include "cpu_entry_points.h"
 #include "cpu_math.h"
 
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_AMX = 3 };

@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_entry_points.h"
 #include "cpu_math.h"
 #include "cpu_vec_f32.h"
 

@@ -2,13 +2,15 @@
 layer from Python), with the decoder stack as one fused C call (`kvfleet.kernels.cpu.
 cpu_decode_step`; the embedding, final norm and LM head still from Python), and as one call
 from token ids to logits (`cpu_decode_logits`, what the engine runs for decode steps of up to
-16 sequences), at several batch sizes, in one run.
+16 sequences), at several batch sizes, in one run. With `--prompt-tokens N` each step also
+carries a prompt chunk of N tokens after its decodes (a serving step that admits a request):
+op by op against the fused call, which runs such steps too (no one-call form).
 
-Each batch size first checks that the three give the same logits to the bit (all run every
-projection on the same GEMM kernel: `cpu_gemm` in bfloat16, `cpu_gemm_f32` in float32), then
-times them in turns. Times are the minimum and median over `--iters` steps each, logits
-included. CPU only; `--dtype auto` is the CPU's default (bfloat16 where it is native, else
-float32).
+Each batch size first checks that the paths give the same logits to the bit (all run every
+projection on the same GEMM kernel: `cpu_gemm` in bfloat16, `cpu_gemm_f32` or the 4-bit kernel
+in float32), then times them in turns. Times are the minimum and median over `--iters` steps
+each, logits included. CPU only; `--dtype auto` is the CPU's default (bfloat16 where it is
+native, else float32).
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the model's dtype (default auto: the CPU's default)",
     )
     p.add_argument("--context", type=int, default=400, help="tokens each sequence has cached")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="a prompt chunk of this many tokens (after --context cached ones) in each step",
+    )
     p.add_argument("--iters", type=int, default=20, help="timed steps per path and batch size")
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.set_defaults(func=run)
@@ -57,14 +65,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 class StepRow:
     sequences: int
     context_tokens: int
+    prompt_tokens: int
     per_op_min_ms: float
     per_op_median_ms: float
     fused_min_ms: float
     fused_median_ms: float
     speedup_median: float  # per-op median over fused median
-    one_call_min_ms: float
-    one_call_median_ms: float
-    one_call_speedup_median: float  # fused (two calls) median over one-call median
+    # The one-call step's (decode-only steps; None with a prompt chunk).
+    one_call_min_ms: float | None
+    one_call_median_ms: float | None
+    one_call_speedup_median: float | None  # fused (two calls) median over one-call median
 
 
 def _parse_sequences(text: str) -> list[int]:
@@ -78,40 +88,49 @@ def _parse_sequences(text: str) -> list[int]:
 
 
 class _Batch:
-    """`sequences` decoding sequences of `context` cached tokens each, in consecutive blocks
-    of head-major caches filled with random K/V."""
+    """`sequences` decoding sequences of `context` cached tokens each, and a sequence whose
+    `prompt` next tokens are a chunk of its prompt (none where 0), in consecutive blocks of
+    head-major caches filled with random K/V."""
 
-    def __init__(self, torch, net, config, sequences: int, context: int, dtype) -> None:
+    def __init__(
+        self, torch, net, config, sequences: int, context: int, prompt: int, dtype
+    ) -> None:
         from kvfleet.kernels.metadata import AttentionMetadata
 
         block = 16
-        per_seq = context // block + 1
+        per_seq = (context + prompt) // block + 1
+        num_seqs = sequences + (prompt > 0)
         gen = torch.Generator().manual_seed(sequences)
         self.kv = []
         for _ in range(config.num_layers):
             k, v = net.kernels.allocate_kv_cache(
-                sequences * per_seq, block, config.num_kv_heads, config.head_dim,
+                num_seqs * per_seq, block, config.num_kv_heads, config.head_dim,
                 dtype, torch.device("cpu"),
             )  # fmt: skip
             k.copy_(torch.randn(k.shape, generator=gen))
             v.copy_(torch.randn(v.shape, generator=gen))
             self.kv.append((k, v))
-        tables = torch.arange(sequences * per_seq, dtype=torch.int32).reshape(sequences, per_seq)
-        slots = tables[:, context // block].long() * block + context % block
-        lens = [context + 1] * sequences
+        tables = torch.arange(num_seqs * per_seq, dtype=torch.int32).reshape(num_seqs, per_seq)
+        # Each sequence's positions this step: its next token's, or the chunk's.
+        q_lens = [1] * sequences + [prompt] * (prompt > 0)
+        positions = torch.cat([torch.arange(context, context + n) for n in q_lens])
+        rows = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(q_lens))
+        slots = tables[rows, positions // block].long() * block + positions % block
+        lens = [context + n for n in q_lens]
         self.meta = AttentionMetadata(
-            query_start_loc=torch.arange(sequences + 1, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
             seq_lens=torch.tensor(lens, dtype=torch.int32),
             block_tables=tables,
             slot_mapping=slots.contiguous(),
             num_decodes=sequences,
-            max_query_len=1,
-            max_seq_len=context + 1,
-            query_lens_host=[1] * sequences,
+            max_query_len=max(q_lens),
+            max_seq_len=max(lens),
+            query_lens_host=q_lens,
             seq_lens_host=lens,
         )
-        self.ids = torch.randint(0, config.vocab_size, (sequences,), generator=gen)
-        self.positions = torch.full((sequences,), context, dtype=torch.long)
+        self.rows = len(positions)
+        self.ids = torch.randint(0, config.vocab_size, (self.rows,), generator=gen)
+        self.positions = positions
         self.net = net
         # The one-call step's inputs: the same step as Python lists.
         self.lists = (
@@ -120,7 +139,7 @@ class _Batch:
         stack = net.build_decode_stack(self.kv)
         self.stack = stack
         self.one_call = (
-            None if stack is None else net.build_decode_logits(stack, sequences, per_seq)
+            None if stack is None or prompt else net.build_decode_logits(stack, sequences, per_seq)
         )
 
     def step(self):
@@ -134,25 +153,27 @@ class _Batch:
         return logits
 
 
-def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
-    """Check the three paths give the same bits, then time them in turns: the model's own
-    kernel policy runs the fused and one-call steps, the same policy with the fused step off
-    the per-op one."""
+def _row(torch, batch: _Batch, n: int, context: int, prompt: int, iters: int) -> StepRow:
+    """Check the paths give the same bits, then time them in turns: the model's own kernel
+    policy runs the fused and one-call steps, the same policy with the fused step off the
+    per-op one."""
     net = batch.net
     fused_policy = net.kernels.policy
     policies = {
         "per-op": replace(fused_policy, fused_decode_step=False),
         "fused": fused_policy,
-        "one call": fused_policy,
     }
+    if batch.one_call is not None:
+        policies["one call"] = fused_policy
     try:
         fused, _ = batch.step()
-        one_call_logits = batch.step_one_call().clone()
+        if batch.one_call is not None:
+            one_call_logits = batch.step_one_call().clone()
         net.use_kernel_policy(policies["per-op"])
         per_op, per_op_logits = batch.step()
         if not torch.equal(fused, per_op):
-            raise RuntimeError(f"fused decode step at {n} sequences: not the per-op bits")
-        if not torch.equal(one_call_logits, per_op_logits):
+            raise RuntimeError(f"fused step at {n} sequences: not the per-op bits")
+        if batch.one_call is not None and not torch.equal(one_call_logits, per_op_logits):
             raise RuntimeError(f"one-call decode step at {n} sequences: not the per-op logits")
         paths = tuple(policies)
         times: dict[str, list[float]] = {p: [] for p in paths}
@@ -165,23 +186,26 @@ def _row(torch, batch: _Batch, n: int, context: int, iters: int) -> StepRow:
     finally:
         net.use_kernel_policy(fused_policy)
     medians = {p: statistics.median(t) for p, t in times.items()}
+    one_call = times.get("one call")
     return StepRow(
         sequences=n,
         context_tokens=context,
+        prompt_tokens=prompt,
         per_op_min_ms=min(times["per-op"]),
         per_op_median_ms=medians["per-op"],
         fused_min_ms=min(times["fused"]),
         fused_median_ms=medians["fused"],
         speedup_median=medians["per-op"] / medians["fused"],
-        one_call_min_ms=min(times["one call"]),
-        one_call_median_ms=medians["one call"],
-        one_call_speedup_median=medians["fused"] / medians["one call"],
+        one_call_min_ms=min(one_call) if one_call else None,
+        one_call_median_ms=medians["one call"] if one_call else None,
+        one_call_speedup_median=medians["fused"] / medians["one call"] if one_call else None,
     )
 
 
 def _row_limits(torch, dtype, policy: KernelPolicy) -> tuple[int, int]:
-    """The batch sizes the fused call takes in `dtype` under `policy` (those the per-op path
-    runs on the same GEMM kernel)."""
+    """The rows of a step the fused call takes in `dtype` under `policy` with plain weights
+    (those the per-op path runs on the same GEMM kernel; 4-bit weights take more), for
+    messages."""
     from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
 
     if dtype == torch.bfloat16:
@@ -189,9 +213,17 @@ def _row_limits(torch, dtype, policy: KernelPolicy) -> tuple[int, int]:
     return cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
 
 
-def measure(model: str, sequences: list[int], context: int, iters: int, dtype_name: str) -> dict:
-    """A row per batch size (`sequences`) of the model in `dtype_name`, each checked for the
-    same bits first; RuntimeError where the fused call does not take a batch size here."""
+def measure(
+    model: str,
+    sequences: list[int],
+    context: int,
+    iters: int,
+    dtype_name: str,
+    prompt: int = 0,
+) -> dict:
+    """A row per batch size (`sequences`, each step with a `prompt`-token chunk where not 0) of
+    the model in `dtype_name`, each checked for the same bits first; RuntimeError where the
+    fused call does not take a step here."""
     import torch
     from kvfleet.runtime.engine.device import resolve_dtype
     from kvfleet.runtime.models.loader import load_model
@@ -203,18 +235,16 @@ def measure(model: str, sequences: list[int], context: int, iters: int, dtype_na
     rows: list[StepRow] = []
     with torch.inference_mode():
         for n in sequences:
-            batch = None
-            if lo <= n <= hi:
-                batch = _Batch(torch, net, config, n, context, dtype)
-            if batch is None or batch.one_call is None:
-                needs = (
-                    "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
-                ) + f" and {lo} to {hi} sequences"
+            batch = _Batch(torch, net, config, n, context, prompt, dtype)
+            if not _fused_takes(batch, prompt):
+                needs = "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2"
+                chunk = f" and a {prompt}-token chunk" if prompt else ""
                 raise RuntimeError(
-                    f"no fused decode step here for {n} sequences in {dtype_name} "
-                    f"({str(dtype).removeprefix('torch.')}: needs {needs})"
+                    f"no fused decode step here for {n} sequences{chunk} in {dtype_name} "
+                    f"({str(dtype).removeprefix('torch.')}: needs {needs}, and as many rows as "
+                    f"the per-op path runs on that GEMM: {lo} to {hi} with plain weights)"
                 )
-            rows.append(_row(torch, batch, n, context, iters))
+            rows.append(_row(torch, batch, n, context, prompt, iters))
             del batch  # its caches: the next batch size allocates its own
     return {
         "model": model,
@@ -223,6 +253,14 @@ def measure(model: str, sequences: list[int], context: int, iters: int, dtype_na
         "same_bits": True,  # every row, before timing (else the command fails)
         "rows": [asdict(r) for r in rows],
     }
+
+
+def _fused_takes(batch: _Batch, prompt: int) -> bool:
+    """Whether the fused call (and for a decode-only step the one call) takes the batch's step."""
+    stack = batch.stack
+    if stack is None or not stack.accepts(batch.meta, batch.rows, DEFAULT_POLICY):
+        return False
+    return bool(prompt) or batch.one_call is not None
 
 
 def _default_sequences(dtype_name: str) -> str:
@@ -242,27 +280,45 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.context < 1 or args.iters < 1:
             raise ValueError("--context and --iters: must be at least 1")
+        if args.prompt_tokens < 0:
+            raise ValueError(f"--prompt-tokens: must be at least 0, got {args.prompt_tokens}")
         sequences = _parse_sequences(args.sequences or _default_sequences(args.dtype))
-        report = measure(args.model, sequences, args.context, args.iters, args.dtype)
+        report = measure(
+            args.model,
+            sequences,
+            args.context,
+            args.iters,
+            args.dtype,
+            args.prompt_tokens,
+        )
     except (ValueError, RuntimeError) as exc:
         print(f"kvfleet bench decode-step: {exc}", file=sys.stderr)
         return 1
+    step = (
+        f"decode step with a {args.prompt_tokens}-token chunk"
+        if args.prompt_tokens
+        else ("decode step")
+    )
     print(
         f"model {report['model']} ({report['dtype']}), {report['threads']} threads; "
-        "decode step, ms (min / median)"
+        f"{step}, ms (min / median)"
     )
     print(
         f"{'seqs':>5} {'context':>8} {'per-op':>16} {'fused':>16} {'speedup':>8} "
         f"{'one call':>16} {'over fused':>10}"
     )
     for r in report["rows"]:
+        one_call = (
+            f"{r['one_call_min_ms']:>7.2f} / {r['one_call_median_ms']:>6.2f} "
+            f"{r['one_call_speedup_median']:>9.2f}x"
+            if r["one_call_median_ms"] is not None
+            else f"{'-':>16} {'-':>10}"
+        )
         print(
             f"{r['sequences']:>5} {r['context_tokens']:>8} "
             f"{r['per_op_min_ms']:>7.2f} / {r['per_op_median_ms']:>6.2f} "
             f"{r['fused_min_ms']:>7.2f} / {r['fused_median_ms']:>6.2f} "
-            f"{r['speedup_median']:>7.2f}x "
-            f"{r['one_call_min_ms']:>7.2f} / {r['one_call_median_ms']:>6.2f} "
-            f"{r['one_call_speedup_median']:>9.2f}x"
+            f"{r['speedup_median']:>7.2f}x {one_call}"
         )
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:

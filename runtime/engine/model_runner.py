@@ -177,11 +177,12 @@ class ModelRunner:
             model.kernels,
         )
         # How steps run is chosen here, once, for these caches: on a GPU decode-only steps
-        # replay CUDA graphs; on CPU decode steps run the fused decoder stack in one C call,
-        # and decode-only steps of up to `one_call_max_rows` sequences go from token ids to
-        # logits in one call over it (cpu_decode_logits: the same bits, without the torch
-        # calls around the stack, which run from cold caches after it); everything else, and
-        # every tensor-parallel step, runs op by op. Each step still asks the path whether it
+        # replay CUDA graphs; on CPU steps run the fused decoder stack in one C call (decodes,
+        # and prompt chunks beside them where the prefill kernel takes them), and decode-only
+        # steps of up to `one_call_max_rows` sequences go from token ids to logits in one call
+        # over it (cpu_decode_logits: the same bits, without the torch calls around the stack,
+        # which run from cold caches after it); everything else (steps with LoRA adapters, or
+        # past the C GEMMs' rows), and every tensor-parallel step, runs op by op. Each step still asks the path whether it
         # takes it under the model's current kernel policy (a benchmark may swap it).
         self.graphs: DecodeGraphs | None = None
         if graph_max_batch:

@@ -27,7 +27,7 @@ def test_the_defaults_are_the_measured_limits():
     assert DEFAULT_POLICY.amx_gemm_max_rows == DEFAULT_POLICY.avx512_bf16_gemm_max_rows == 1024
     assert DEFAULT_POLICY.f32_gemm_max_rows == 128
     assert DEFAULT_POLICY.one_call_max_rows == 16
-    assert DEFAULT_POLICY.fused_decode_step is True
+    assert DEFAULT_POLICY.fused_decode_step is DEFAULT_POLICY.fused_prompt_step is True
     assert DEFAULT_POLICY.avx2_prefill_max_context == 1024
 
 
@@ -44,6 +44,7 @@ def test_a_policy_cannot_change_once_made_and_travels_to_other_processes():
         ("backend", "cuda", "backend: must be one of auto, torch, triton, got 'cuda'"),
         ("allow_amx", 1, "allow_amx: must be True or False, got 1"),
         ("fused_decode_step", "yes", "fused_decode_step: must be True or False, got 'yes'"),
+        ("fused_prompt_step", 0, "fused_prompt_step: must be True or False, got 0"),
         ("amx_gemm_max_rows", -1, "amx_gemm_max_rows: must be a whole number of rows >= 0"),
         ("avx512_bf16_gemm_max_rows", 2.5, "avx512_bf16_gemm_max_rows: must be a whole number"),
         ("f32_gemm_max_rows", True, "f32_gemm_max_rows: must be a whole number of rows >= 0"),

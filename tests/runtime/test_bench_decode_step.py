@@ -1,6 +1,6 @@
 """`kvfleet bench decode-step` times a decode step op by op, fused and in one call, after
-checking the three give the same bits, and refuses bad flags or a machine without the fused
-call by name."""
+checking the three give the same bits (with `--prompt-tokens`, a step carrying a prompt chunk
+op by op and fused), and refuses bad flags or a machine without the fused call by name."""
 
 from __future__ import annotations
 
@@ -43,11 +43,32 @@ def test_times_every_path_at_each_batch_size(
     assert "speedup" in printed and "one call" in printed
 
 
-@pytest.mark.parametrize("flags", [["--sequences", "0"], ["--sequences", "a,b"], ["--iters", "0"]])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_times_steps_carrying_a_prompt_chunk(dtype: str, tiny_llama_dir: Path, tmp_path, capsys):
+    if not (cpu_gemm if dtype == "bfloat16" else cpu_gemm_f32).available():
+        pytest.skip(f"no fused {dtype} step here (tests/kernels say where there must be)")
+    out = tmp_path / "step.json"
+    argv = ["bench", "decode-step", "--model", str(tiny_llama_dir), "--dtype", dtype]
+    argv += ["--sequences", "3,8", "--prompt-tokens", "24", "--context", "20", "--iters", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_bits"] is True
+    for r in report["rows"]:
+        assert r["prompt_tokens"] == 24
+        assert 0 < r["per_op_min_ms"] <= r["per_op_median_ms"]
+        assert 0 < r["fused_min_ms"] <= r["fused_median_ms"]
+        assert r["one_call_median_ms"] is None  # decode-only steps have it
+    assert "with a 24-token chunk" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--sequences", "0"], ["--sequences", "a,b"], ["--iters", "0"], ["--prompt-tokens", "-1"]],
+)
 def test_bad_flags_are_named(tiny_llama_dir: Path, flags: list[str], capsys):
     assert main(["bench", "decode-step", "--model", str(tiny_llama_dir), *flags]) == 1
     err = capsys.readouterr().err
-    assert "--sequences" in err or "--iters" in err
+    assert flags[0] in err
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """The fused decode step (kernels/cpu/cpu_decode_step.c: the whole decoder stack in one C call)
 gives the per-op layer loop's results to the bit, writes the same cache bytes, and is taken
-exactly for the steps it can run: decode-only steps of a bf16 model prepacked for cpu_gemm (on
-each of its engines, AMX and AVX512-BF16, that this CPU runs), or of a float32 model with as
-many sequences as the per-op path runs on the float32 GEMM kernel. The per-op side is a twin
+exactly for the steps it can run (steps with prompt chunks: test_fused_prompt_step.py): decode
+steps of a bf16 model prepacked for cpu_gemm (on each of its engines, AMX and AVX512-BF16, that
+this CPU runs), or of a float32 model with as many sequences as the per-op path runs on the
+float32 GEMM kernel. The per-op side is a twin
 model whose kernel policy turns the fused step off, run beside the fused one."""
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.loader import load_model
 from paged_decoder import Decoder, count_fused_steps
-from tiny_models import make_tiny_model
 
 BF16 = torch.bfloat16
 
@@ -45,20 +45,6 @@ def _need_avx512() -> None:
             "no AVX-512 or AVX2 here (tests/kernels/test_cpu_gemm_f32.py asserts where there "
             "must be)"
         )
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_d64(tmp_path_factory: pytest.TempPathFactory, bundled_dir: Path) -> Path:
-    """head_dim 64, the shape whose attention runs on AMX tiles (the other models' 16 take the
-    vector path)."""
-    return make_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama-d64"),
-        "llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
 
 
 def _prepacked(folder: Path, policy: KernelPolicy = DEFAULT_POLICY) -> LlamaModel:
@@ -104,8 +90,9 @@ def test_fused_decode_steps_match_at_other_block_sizes(
 
 
 def test_steps_it_cannot_run_keep_the_per_op_loop(bf16_gemm_engine, tiny_llama_dir, monkeypatch):
-    """Prefill and mixed steps, and decode steps past the fused call's row limit, go op by op."""
-    policy = bf16_gemm_engine.policy
+    """Prefill and mixed steps where the policy keeps prompt steps op by op, and decode steps
+    past the fused call's row limit, go op by op."""
+    policy = replace(bf16_gemm_engine.policy, fused_prompt_step=False)
     net = _prepacked(tiny_llama_dir, policy)
     calls = count_fused_steps(monkeypatch)
     run = Decoder(net, [5, 9, 3])  # the prefill step

@@ -18,8 +18,10 @@ from test_step_time import Host, TimedRun
 # The bundled Q4 model on a 2-core AVX512-BF16 host: its steps timed serving 4096-token prompts
 # among the standard workload's (a mixed step costs 15 ms more than its decodes alone, a prompt
 # token 0.85 ms and 0.59 us for each token of context it attends to: 3.3 ms a token late in a
-# 4096-token prompt; a `--step-log` of that scenario fits 26 ms, 0.72 ms and 0.39 us,
-# docs/results/step-log-fit-long-prompt-avx512bf16.json); and as fitted in tokens alone at
+# 4096-token prompt; a `--step-log` of that scenario, its chunks now in one C call with the
+# decodes, fits 20 ms, 0.68 ms and 0.48 us, the fixed part taking what short chunks deep in a
+# long prompt cost past the linear model, docs/results/step-log-fit-long-prompt-avx512bf16.json);
+# and as fitted in tokens alone at
 # concurrency 32, where no prompt is longer than 512.
 THIS_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.015, per_token=0.00085, per_context=5.9e-7)
 TOKENS_ONLY_HOST = Host(fixed=0.0036, per_row=0.0019, switch=0.0, per_token=0.00143)
