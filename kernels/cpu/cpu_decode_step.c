@@ -107,11 +107,28 @@ static int project_f32(int quantized, int64_t quant_max_rows, float *scratch, co
     return kvfleet_linear_f32(x, x_stride, scratch, bias, out, out_stride, m, n, k, num_threads);
 }
 
+/* A step's activations, one block each: each stays under the mmap threshold the process sets
+ * (runtime/engine/cpu_allocator.py, 32 MiB), so a 2048-row step reuses freed heap memory. One
+ * block of all of a float32 step's (55 MB at 2048 rows of the bundled model) would be mapped
+ * fresh and faulted in on every call: 0.7% of such a step. */
+typedef struct {
+    void *blocks[5];
+    int count;
+} Buffers;
+
+static void *take(Buffers *b, size_t bytes) {
+    return b->blocks[b->count++] = malloc(bytes);
+}
+
+static void release(Buffers *b) {
+    for (int i = 0; i < b->count; i++) free(b->blocks[i]);
+}
+
 #define FAIL(stage, call)                                                                  \
     do {                                                                                   \
         const int status_ = (call);                                                        \
         if (status_ != OK) {                                                               \
-            free(buffers);                                                                 \
+            release(&buffers);                                                             \
             return ((layer * STAGES) + (stage)) * STATUS_RANGE + status_;                  \
         }                                                                                  \
     } while (0)
@@ -167,7 +184,7 @@ static int rotate_cache_attend(const DecodeStack *stack, const DecodeLayer *w, c
     do {                                                                                   \
         const int failed_ = (call);                                                        \
         if (failed_ != OK) {                                                               \
-            free(buffers);                                                                 \
+            release(&buffers);                                                             \
             return layer * STAGES * STATUS_RANGE + failed_;                                \
         }                                                                                  \
     } while (0)
@@ -184,9 +201,14 @@ static int step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual
     const int64_t h = stack->hidden, d = stack->head_dim;
     const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
     const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * (int64_t)stack->intermediate;
-    uint16_t *buffers = malloc((size_t)m * (qkv_n + q_size + gate_up_n) * sizeof(uint16_t));
-    if (!buffers) return ERR_NOMEM;
-    uint16_t *qkv = buffers, *attn = qkv + m * qkv_n, *gate_up = attn + m * q_size;
+    Buffers buffers = {{NULL}, 0};
+    const size_t column = (size_t)m * sizeof(uint16_t); /* a column of m rows, in bytes */
+    uint16_t *qkv = take(&buffers, column * qkv_n), *attn = take(&buffers, column * q_size);
+    uint16_t *gate_up = take(&buffers, column * gate_up_n);
+    if (!(qkv && attn && gate_up)) {
+        release(&buffers);
+        return ERR_NOMEM;
+    }
 
     for (int layer = 0; layer < stack->num_layers; layer++) {
         const DecodeLayer *w = &stack->layers[layer];
@@ -208,7 +230,7 @@ static int step_bf16(const DecodeStack *stack, uint16_t *hidden, float *residual
                                              NULL, 0.0f, w->down, NULL, hidden, h, m, h,
                                              stack->intermediate, gemm_kernel, num_threads));
     }
-    free(buffers);
+    release(&buffers);
     return OK;
 }
 
@@ -222,10 +244,15 @@ static int step_f32(const DecodeStack *stack, float *hidden, float *residual, in
     const int64_t h = stack->hidden, d = stack->head_dim, inter = stack->intermediate;
     const int64_t q_size = stack->num_heads * d, kv_size = stack->num_kv_heads * d;
     const int64_t qkv_n = q_size + 2 * kv_size, gate_up_n = 2 * inter;
-    float *buffers = malloc((size_t)m * (h + qkv_n + q_size + gate_up_n + inter) * sizeof(float));
-    if (!buffers) return ERR_NOMEM;
-    float *normed = buffers, *qkv = normed + m * h, *attn = qkv + m * qkv_n;
-    float *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_n;
+    Buffers buffers = {{NULL}, 0};
+    const size_t column = (size_t)m * sizeof(float); /* a column of m rows, in bytes */
+    float *normed = take(&buffers, column * h), *qkv = take(&buffers, column * qkv_n);
+    float *attn = take(&buffers, column * q_size), *gate_up = take(&buffers, column * gate_up_n);
+    float *act = take(&buffers, column * inter);
+    if (!(normed && qkv && attn && gate_up && act)) {
+        release(&buffers);
+        return ERR_NOMEM;
+    }
     const float eps = stack->eps;
 /* This step's projection through weight w (the stack's kind of weights). */
 #define PROJECT(x, x_stride, w, bias, out, out_stride, n, k)                                    \
@@ -250,7 +277,7 @@ static int step_f32(const DecodeStack *stack, float *hidden, float *residual, in
                                               DTYPE_FLOAT32, num_threads));
         FAIL(STAGE_DOWN, PROJECT(act, inter, w->down, NULL, hidden, h, h, inter));
     }
-    free(buffers);
+    release(&buffers);
     return OK;
 }
 #undef PROJECT
