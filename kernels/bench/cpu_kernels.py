@@ -65,8 +65,17 @@ from kvfleet.kernels.policy import DEFAULT_POLICY
 # with AMX off where a row compares AMX with the vector path beside it.
 POLICY = DEFAULT_POLICY
 NO_AMX = replace(DEFAULT_POLICY, allow_amx=False)
-# (query tokens, context tokens): whole prompts, then suffixes over a 1024-token cached prefix.
-PREFILL_SHAPES = ((512, 512), (2048, 2048), (272, 1296), (450, 1474))
+# (query tokens, context tokens): whole prompts, suffixes over a 1024-token cached prefix, then
+# serving steps' chunks 3,000 tokens into a long prompt (the kernel splits their keys).
+PREFILL_SHAPES = (
+    (512, 512),
+    (2048, 2048),
+    (272, 1296),
+    (450, 1474),
+    (4, 3004),
+    (16, 3016),
+    (48, 3048),
+)
 DECODE_SEQS = 128
 DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past any cache
 GEMM_ROWS = (1, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)

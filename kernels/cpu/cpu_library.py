@@ -56,6 +56,7 @@ _HEADER_NAMES = (
     "cpu_entry_points.h",
     "cpu_attention.h",
     "cpu_vec_f32.h",
+    "cpu_prefill_tile.h",
     "cpu_quant_block.h",
 )
 HEADERS = [HERE / name for name in _HEADER_NAMES]

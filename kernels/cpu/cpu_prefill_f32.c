@@ -15,7 +15,16 @@
  *   online softmax per lane      (running max and sum; -inf where a key is past a row's position)
  *   O^T [D x TILE rows]          = O^T * correction + V^T (each element broadcast) x P^T
  * Everything stays float32. Results differ from SDPA's by summation order and exp's
- * approximation (within 2 ulp).
+ * approximation (within 2 ulp). The tile (its sizes, working memory and inner products) is
+ * kernels/cpu/cpu_prefill_tile.h.
+ *
+ * Short queries against long contexts (a serving step's prompt chunk deep into a long prompt, a
+ * suffix after a prefix-cache hit): a last tile of at most LANES rows runs one vector wide, and
+ * where a call has fewer than 8 tasks a thread, each tile's keys are split into ranges run as
+ * tasks of their own, their partial results merged (merge_parts). The bundled model's 4-token
+ * chunk at 3,000 tokens of context was 3 tasks (one 32-row tile per kv head) on 2 threads; split,
+ * it takes half the time (2.1x; 16 tokens 1.26x, 48 tokens 1.14x). Against SDPA, float32: 0.38 /
+ * 0.78 / 2.06 ms a layer against 2.50 / 3.01 / 5.05 (`kvfleet bench cpu-kernels`).
  *
  * bf16 inputs (kvfleet_prefill_attention_bf16_vec): where the CPU has AVX-512 but no AMX, the
  * AMX kernel cannot run and torch's SDPA flash kernel took 4.4 ms a layer for a 512-token prompt
@@ -47,220 +56,73 @@
 
 #include "cpu_entry_points.h"
 #include "cpu_math.h"
+#include "cpu_prefill_tile.h"
 #include "cpu_vec_f32.h"
 
 enum { OK = 0, ERR_SHAPE = 1, ERR_NOMEM = 2, ERR_NO_SIMD = 3 };
 
-#define KEYS 32             /* keys per softmax update */
-#define MAX_HEAD_DIM 256
-
-/* One source for AVX-512 and AVX2 + FMA (float32 on CPUs without AVX-512): the vector width
- * and operations come from cpu_vec_f32.h; the register-held blocks shrink with the register
- * file (16 vector registers on AVX2 against 32). */
-#define PREFILL_SIMD VEC_F32
-#if defined(__AVX512F__)
-#define VECS 2      /* row vectors per tile */
-#define KEY_GROUP 8 /* keys whose scores are accumulated in registers together */
-#define D_CHUNK 8   /* O^T dims held in registers per pass over a step's keys */
-#elif PREFILL_SIMD /* AVX2 + FMA */
-#define VECS 1 /* 16 registers: one row vector, 8 keys or dims (AVX2 measured 2.5 vs 3.7 ms at 2x4) */
-#define KEY_GROUP 8
-#define D_CHUNK 8
-#endif
-#define TILE (LANES * VECS) /* rows per task */
-
 #if PREFILL_SIMD
-/* Per-thread working memory (66 KiB with MAX_HEAD_DIM 256: heap, not a worker's stack). */
+/* One call's inputs, shared by its tasks. query, out and the caches hold float32, or bf16 where
+ * `bf16` is set; vt is the bf16 V as key pairs (AVX512-BF16 only, else NULL). */
 typedef struct {
-    float qt[MAX_HEAD_DIM][TILE]; /* Q^T of the tile, times scale (0 in padding rows) */
-    float ot[MAX_HEAD_DIM][TILE]; /* O^T, unnormalised */
-    float p[KEYS][TILE];          /* one step's scores, then its probabilities */
-    float kw[KEYS][MAX_HEAD_DIM]; /* bf16 inputs: the step's K rows, widened */
-    float vw[KEYS][MAX_HEAD_DIM]; /* ... and its V rows */
-    uint32_t qp[MAX_HEAD_DIM / 2][TILE]; /* bf16 inputs with AVX512-BF16: Q^T as (d, d+1) pairs */
-    uint32_t pp[KEYS / 2][TILE];         /* ... and P^T as (key, key + 1) pairs */
-} Work;
+    const void *query, *k_cache, *v_cache;
+    void *out;
+    const uint32_t *vt;
+    const int32_t *table;
+    int64_t q_stride, out_stride, head_elems;
+    size_t vt_head;
+    int seq_len, q_len, group, D, block_size, bf16;
+    float scale;
+} Call;
 
-/* dst[0 .. D) = the bf16 row src widened to float32 (D a multiple of 16). */
-static inline void widen_row(float *dst, const uint16_t *src, int D) {
-    for (int d = 0; d < D; d += 16) {
-#ifdef __AVX512F__
-        const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
-        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-#else
-        for (int h = 0; h < 16; h += 8) {
-            const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d + h)));
-            _mm256_storeu_ps(dst + d + h, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-        }
-#endif
-    }
-}
-
-/* p[j][:] = K[j] . Q^T for KEY_GROUP keys (rows krow[j] of head_dim floats). */
-static inline void scores(float (*p)[TILE], const float *const *krow, const Work *w, int D) {
-    vec acc[KEY_GROUP][VECS];
-    for (int j = 0; j < KEY_GROUP; j++)
-        for (int v = 0; v < VECS; v++) acc[j][v] = vzero();
-    for (int d = 0; d < D; d++) {
-        vec q[VECS];
-        for (int v = 0; v < VECS; v++) q[v] = vload(&w->qt[d][v * LANES]);
-        for (int j = 0; j < KEY_GROUP; j++) {
-            const vec k = vset1(krow[j][d]);
-            for (int v = 0; v < VECS; v++) acc[j][v] = vfma(k, q[v], acc[j][v]);
-        }
-    }
-    for (int j = 0; j < KEY_GROUP; j++)
-        for (int v = 0; v < VECS; v++) vstore(&p[j][v * LANES], acc[j][v]);
-}
-
-#ifdef __AVX512BF16__
-/* scores() on bf16 rows with vdpbf16ps: each lane (a row) multiplies a (d, d+1) pair of its
- * query by the key's pair, read in place from the cache, and adds both products in float32: half
- * the instructions of the widened float32 products, the same bf16 inputs. The scale is applied
- * to the sums (Q^T holds the raw query). */
-static inline void scores_bf16(float (*p)[TILE], const uint16_t *const *krow, const Work *w,
-                               int D, float scale) {
-    __m512 acc[KEY_GROUP][VECS];
-    for (int j = 0; j < KEY_GROUP; j++)
-        for (int v = 0; v < VECS; v++) acc[j][v] = _mm512_setzero_ps();
-    for (int d2 = 0; d2 < D / 2; d2++) {
-        __m512bh q[VECS];
-        for (int v = 0; v < VECS; v++) q[v] = (__m512bh)_mm512_load_si512(&w->qp[d2][v * LANES]);
-        for (int j = 0; j < KEY_GROUP; j++) {
-            uint32_t pair;
-            memcpy(&pair, krow[j] + 2 * d2, sizeof pair);
-            const __m512bh k = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int v = 0; v < VECS; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], k, q[v]);
-        }
-    }
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int j = 0; j < KEY_GROUP; j++)
-        for (int v = 0; v < VECS; v++) _mm512_store_ps(&p[j][v * LANES], _mm512_mul_ps(acc[j][v], s));
-}
-
-/* accumulate() with vdpbf16ps: each lane multiplies its (key, key + 1) pair of probabilities,
- * rounded to bf16, by the pair of V values broadcast from vt, the step's V^T as pairs
- * [D][KEYS / 2] (values_as_pairs). */
-static inline void accumulate_bf16(Work *w, const uint32_t *vt, int n, const __m512 *corr, int D) {
-    const int pairs = (n + 1) / 2;
-    for (int d0 = 0; d0 < D; d0 += D_CHUNK) {
-        __m512 o[D_CHUNK][VECS];
-        for (int c = 0; c < D_CHUNK; c++)
-            for (int v = 0; v < VECS; v++)
-                o[c][v] = _mm512_mul_ps(_mm512_load_ps(&w->ot[d0 + c][v * LANES]), corr[v]);
-        for (int jp = 0; jp < pairs; jp++) {
-            __m512bh p[VECS];
-            for (int v = 0; v < VECS; v++) p[v] = (__m512bh)_mm512_load_si512(&w->pp[jp][v * LANES]);
-            for (int c = 0; c < D_CHUNK; c++) {
-                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)vt[(d0 + c) * (KEYS / 2) + jp]);
-                for (int v = 0; v < VECS; v++) o[c][v] = _mm512_dpbf16_ps(o[c][v], x, p[v]);
-            }
-        }
-        for (int c = 0; c < D_CHUNK; c++)
-            for (int v = 0; v < VECS; v++) _mm512_store_ps(&w->ot[d0 + c][v * LANES], o[c][v]);
-    }
-}
-
-/* pp[jp] = the step's probabilities of keys 2 jp and 2 jp + 1 as bf16 pairs (0 past key n). */
-static inline void probability_pairs(Work *w, int n) {
-    for (int jp = 0; jp < (n + 1) / 2; jp++)
-        for (int v = 0; v < VECS; v++) {
-            const __m512 lo = _mm512_load_ps(&w->p[2 * jp][v * LANES]);
-            const __m512 hi = 2 * jp + 1 < n ? _mm512_load_ps(&w->p[2 * jp + 1][v * LANES])
-                                             : _mm512_setzero_ps();
-            const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-            const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-            _mm512_store_si512(&w->pp[jp][v * LANES], _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
-        }
-}
-
-/* One kv head's V for keys [k0, k0 + KEYS) as pairs: vt[d][jp] = V[k0 + 2 jp][d] in the low
- * half, V[k0 + 2 jp + 1][d] in the high half, 0 past seq_len. Built once per call and shared
- * by every tile of the head. */
-static void values_as_pairs(uint32_t *vt, const uint16_t *v_head, const int32_t *table,
-                            int seq_len, int k0, int D, int block_size) {
-    for (int jp = 0; jp < KEYS / 2; jp++) {
-        const uint16_t *row[2] = {NULL, NULL};
-        for (int h = 0; h < 2; h++) {
-            const int key = k0 + 2 * jp + h;
-            if (key < seq_len)
-                row[h] = v_head + ((int64_t)table[key / block_size] * block_size +
-                                   key % block_size) * D;
-        }
-        for (int d = 0; d < D; d++)
-            vt[d * (KEYS / 2) + jp] =
-                (row[0] ? row[0][d] : 0u) | (uint32_t)(row[1] ? row[1][d] : 0u) << 16;
-    }
-}
-#define BF16_DOT 1
-#else
-#define BF16_DOT 0
-#endif
-
-/* O^T[d] = O^T[d] * corr + sum_j V[j][d] * P^T[j] for the n keys of a step (rows vrow[j]). */
-static inline void accumulate(Work *w, const float *const *vrow, int n, const vec *corr,
-                              int D) {
-    for (int d0 = 0; d0 < D; d0 += D_CHUNK) {
-        vec o[D_CHUNK][VECS];
-        for (int c = 0; c < D_CHUNK; c++)
-            for (int v = 0; v < VECS; v++) o[c][v] = vmul(vload(&w->ot[d0 + c][v * LANES]), corr[v]);
-        for (int j = 0; j < n; j++) {
-            vec p[VECS];
-            for (int v = 0; v < VECS; v++) p[v] = vload(&w->p[j][v * LANES]);
-            for (int c = 0; c < D_CHUNK; c++) {
-                const vec x = vset1(vrow[j][d0 + c]);
-                for (int v = 0; v < VECS; v++) o[c][v] = vfma(x, p[v], o[c][v]);
-            }
-        }
-        for (int c = 0; c < D_CHUNK; c++)
-            for (int v = 0; v < VECS; v++) vstore(&w->ot[d0 + c][v * LANES], o[c][v]);
-    }
-}
-
-/* One task: kv head kvh's rows r0 .. r0 + rows - 1 (of q_len * group). query, out, k_head and
- * v_head hold float32, or bf16 where `bf16` is set. */
-static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
-                        int64_t out_stride, const void *k_head, const void *v_head,
-                        const uint32_t *vt, const int32_t *table, int seq_len, int q_len,
-                        int group, int kvh, int r0, int rows, int D, int block_size, float scale,
-                        int bf16) {
-    const int first_pos = seq_len - q_len;
+/* One task: kv head kvh's rows r0 .. r0 + rows - 1 (of q_len * group) in a tile of nv vectors,
+ * against keys [k_begin, k_end), k_begin a multiple of KEYS and visible to every row (at most
+ * seq_len - q_len). Writes the normalised output where part is NULL, else O^T unnormalised and
+ * each row's running max and sum into part ([D][TILE], then [2][TILE]) for merge_parts. */
+static ALWAYS_INLINE void attend(Work *w, const Call *c, int kvh, int r0, int rows, int k_begin,
+                                 int k_end, float *part, const int nv) {
+    const int D = c->D, group = c->group, block_size = c->block_size, bf16 = c->bf16;
+    const int tile = nv * LANES, first_pos = c->seq_len - c->q_len;
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *k_head = (const char *)c->k_cache + kvh * c->head_elems * elem;
+    const char *v_head = (const char *)c->v_cache + kvh * c->head_elems * elem;
+    const uint32_t *vt = c->vt ? c->vt + kvh * c->vt_head : NULL;
+    const int32_t *table = c->table;
     int pos[TILE];
-    for (int r = 0; r < TILE; r++) {
+    for (int r = 0; r < tile; r++) {
         /* Padding rows repeat the last row's position and have Q = 0: their outputs are
          * computed like any other and never written. */
         const int row = r0 + (r < rows ? r : rows - 1);
         pos[r] = first_pos + row / group;
-        const int64_t q = (int64_t)(row / group) * q_stride + (int64_t)(kvh * group + row % group) * D;
+        const int64_t q = (int64_t)(row / group) * c->q_stride + (int64_t)(kvh * group + row % group) * D;
         if (bf16 && BF16_DOT) {
-            const uint16_t *qb = (const uint16_t *)query + q;
+            const uint16_t *qb = (const uint16_t *)c->query + q;
             for (int d = 0; d < D; d += 2)
                 w->qp[d / 2][r] = r < rows ? (uint32_t)qb[d] | (uint32_t)qb[d + 1] << 16 : 0;
         } else {
             for (int d = 0; d < D; d++)
-                w->qt[d][r] = r < rows ? load_act(query, q + d, bf16) * scale : 0.0f;
+                w->qt[d][r] = r < rows ? load_act(c->query, q + d, bf16) * c->scale : 0.0f;
         }
     }
-    memset(w->ot, 0, sizeof(float) * (size_t)D * TILE);
+    for (int d = 0; d < D; d++) memset(w->ot[d], 0, sizeof(float) * (size_t)tile);
     veci posv[VECS];
     vec m[VECS], l[VECS];
-    for (int v = 0; v < VECS; v++) {
+    for (int v = 0; v < nv; v++) {
         posv[v] = vloadi(pos + v * LANES);
         m[v] = vset1(-INFINITY);
         l[v] = vzero();
     }
-    const int last_key = pos[TILE - 1]; /* the tile's last row sees keys 0 .. last_key */
-    const int diagonal = pos[0];        /* keys up to here are visible to every row */
+    const int diagonal = pos[0]; /* keys up to here are visible to every row */
 
-    for (int k0 = 0; k0 <= last_key; k0 += KEYS) {
-        const int n = last_key + 1 - k0 < KEYS ? last_key + 1 - k0 : KEYS;
+    for (int k0 = k_begin; k0 < k_end; k0 += KEYS) {
+        const int n = k_end - k0 < KEYS ? k_end - k0 : KEYS;
         /* Scores come KEY_GROUP keys at a time: the tile's last step scores only the groups
          * its n keys reach. */
         const int scored = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
         const float *krow[KEYS], *vrow[KEYS];
         const uint16_t *kraw[KEYS]; /* bf16 with AVX512-BF16: K rows in place */
         for (int j = 0; j < scored; j++) {
-            /* Keys past last_key (never read in P . V) score a valid row, then are masked. */
+            /* Keys past k_end (never read in P . V) score a valid row, then are masked. */
             const int key = k0 + (j < n ? j : 0);
             const int64_t offset = ((int64_t)table[key / block_size] * block_size +
                                     key % block_size) * D;
@@ -282,32 +144,32 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
         }
 #if BF16_DOT
         if (bf16)
-            for (int j = 0; j < scored; j += KEY_GROUP) scores_bf16(w->p + j, kraw + j, w, D, scale);
+            for (int j = 0; j < scored; j += KEY_GROUP) scores_bf16(w->p + j, kraw + j, w, D, c->scale, nv);
         else
 #endif
-            for (int j = 0; j < scored; j += KEY_GROUP) scores(w->p + j, krow + j, w, D);
+            for (int j = 0; j < scored; j += KEY_GROUP) scores(w->p + j, krow + j, w, D, nv);
 
         vec step_max[VECS];
-        for (int v = 0; v < VECS; v++) step_max[v] = vset1(-INFINITY);
+        for (int v = 0; v < nv; v++) step_max[v] = vset1(-INFINITY);
         const int masked = k0 + scored - 1 > diagonal;
         for (int j = 0; j < scored; j++)
-            for (int v = 0; v < VECS; v++) {
+            for (int v = 0; v < nv; v++) {
                 vec s = vload(&w->p[j][v * LANES]);
                 if (masked) s = mask_past(s, k0 + j, posv[v]);
                 vstore(&w->p[j][v * LANES], s);
                 step_max[v] = vmax(step_max[v], s);
             }
-        /* Online softmax. Key 0 is visible to every row, so m is finite from the first step on
-         * and corr = exp(-inf) = 0 there, against an all-zero O^T. */
+        /* Online softmax. k_begin is visible to every row, so m is finite from the first step
+         * on and corr = exp(-inf) = 0 there, against an all-zero O^T. */
         vec corr[VECS];
-        for (int v = 0; v < VECS; v++) {
+        for (int v = 0; v < nv; v++) {
             const vec m_new = vmax(m[v], step_max[v]);
             corr[v] = vexp(vsub(m[v], m_new));
             l[v] = vmul(l[v], corr[v]);
             m[v] = m_new;
         }
         for (int j = 0; j < n; j++)
-            for (int v = 0; v < VECS; v++) {
+            for (int v = 0; v < nv; v++) {
                 const vec e = vexp(vsub(vload(&w->p[j][v * LANES]), m[v]));
                 vstore(&w->p[j][v * LANES], e);
                 l[v] = vadd(l[v], e);
@@ -316,21 +178,43 @@ static void attend_rows(Work *w, const void *query, int64_t q_stride, void *out,
         (void)vt, (void)kraw;
 #else
         if (bf16) {
-            probability_pairs(w, n);
-            accumulate_bf16(w, vt + (size_t)(k0 / KEYS) * D * (KEYS / 2), n, corr, D);
+            probability_pairs(w, n, nv);
+            accumulate_bf16(w, vt + (size_t)(k0 / KEYS) * D * (KEYS / 2), n, corr, D, nv);
         } else
 #endif
-            accumulate(w, vrow, n, corr, D);
+            accumulate(w, vrow, n, corr, D, nv);
     }
 
+    if (part) {
+        for (int d = 0; d < D; d++) memcpy(part + d * TILE, w->ot[d], sizeof(float) * (size_t)tile);
+        for (int v = 0; v < nv; v++) {
+            vstoreu(part + D * TILE + v * LANES, m[v]);
+            vstoreu(part + (D + 1) * TILE + v * LANES, l[v]);
+        }
+        return;
+    }
     float inv[TILE];
-    for (int v = 0; v < VECS; v++) vstoreu(inv + v * LANES, vdiv(vset1(1.0f), l[v]));
+    for (int v = 0; v < nv; v++) vstoreu(inv + v * LANES, vdiv(vset1(1.0f), l[v]));
     for (int r = 0; r < rows; r++) {
         const int row = r0 + r;
-        const int64_t o = (int64_t)(row / group) * out_stride + (int64_t)(kvh * group + row % group) * D;
-        for (int d = 0; d < D; d++) store_act(out, o + d, w->ot[d][r] * inv[r], bf16);
+        const int64_t o = (int64_t)(row / group) * c->out_stride + (int64_t)(kvh * group + row % group) * D;
+        for (int d = 0; d < D; d++) store_act(c->out, o + d, w->ot[d][r] * inv[r], bf16);
     }
 }
+
+/* attend() on tiles of one vector (16 rows on AVX-512) or of VECS. */
+static void attend_narrow(Work *w, const Call *c, int kvh, int r0, int rows, int k_begin,
+                          int k_end, float *part) {
+    attend(w, c, kvh, r0, rows, k_begin, k_end, part, 1);
+}
+#if VECS > 1
+static void attend_wide(Work *w, const Call *c, int kvh, int r0, int rows, int k_begin,
+                        int k_end, float *part) {
+    attend(w, c, kvh, r0, rows, k_begin, k_end, part, VECS);
+}
+#else
+#define attend_wide attend_narrow
+#endif
 #endif
 
 /* The vector width this build's kernel runs at: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (none). */
@@ -341,6 +225,58 @@ int kvfleet_prefill_f32_lanes(void) {
     return 0;
 #endif
 }
+
+#if PREFILL_SIMD
+/* A call's tasks are (kv head, tile) pairs. A short query against a long context has few (a
+ * 4-token chunk of a 3-kv-head model: 3, one tile per head), each streaming the whole context on
+ * one thread: 2 threads ran two tasks one after the other, the third's thread idle. There each
+ * tile's keys are split into ranges, tasks of their own, and the ranges' partial results merged
+ * (merge_parts): at least TASKS_PER_THREAD tasks a thread where the keys allow ranges of
+ * MIN_SPLIT_KEYS. The ranges follow from the shape and the thread count, so a result's bits
+ * do too (the ranges' sums are added in another order), never the scheduling. */
+enum { TASKS_PER_THREAD = 8, MIN_SPLIT_KEYS = 256, MAX_SPLITS = 16 };
+
+static int key_splits(int tasks, int first_pos, int num_threads) {
+    const int want = TASKS_PER_THREAD * (num_threads < 1 ? 1 : num_threads);
+    if (tasks >= want) return 1;
+    int splits = (want + tasks - 1) / tasks;
+    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
+    if (splits > (first_pos + 1) / MIN_SPLIT_KEYS) splits = (first_pos + 1) / MIN_SPLIT_KEYS;
+    return splits < 1 ? 1 : splits;
+}
+
+/* Where range s of `splits` starts: a multiple of KEYS within the keys every row sees
+ * (0 .. first_pos), ranges at least MIN_SPLIT_KEYS - KEYS keys long. */
+static int split_start(int s, int splits, int first_pos) {
+    return (int)((int64_t)s * (first_pos + 1) / splits / KEYS * KEYS);
+}
+
+/* Rows r0 .. r0 + rows - 1 of kv head kvh from the partial results of its `splits` key ranges
+ * (parts, (D + 2) x TILE floats each): each range's O^T and sum rescaled to the largest of the
+ * ranges' maxima, summed, normalised. */
+static void merge_parts(const Call *c, const float *parts, int splits, int kvh, int r0, int rows) {
+    const int D = c->D, group = c->group;
+    const size_t stride = (size_t)(D + 2) * TILE; /* one range's part */
+    for (int r = 0; r < rows; r++) {
+        float m = -INFINITY, l = 0.0f, weight[MAX_SPLITS];
+        for (int s = 0; s < splits; s++) {
+            const float ms = parts[s * stride + D * TILE + r];
+            m = ms > m ? ms : m;
+        }
+        for (int s = 0; s < splits; s++) {
+            weight[s] = expf(parts[s * stride + D * TILE + r] - m);
+            l += parts[s * stride + (D + 1) * TILE + r] * weight[s];
+        }
+        const int row = r0 + r;
+        const int64_t o = (int64_t)(row / group) * c->out_stride + (int64_t)(kvh * group + row % group) * D;
+        for (int d = 0; d < D; d++) {
+            float sum = 0.0f;
+            for (int s = 0; s < splits; s++) sum += parts[s * stride + d * TILE + r] * weight[s];
+            store_act(c->out, o + d, sum / l, c->bf16);
+        }
+    }
+}
+#endif
 
 /* Both entry points (layouts in the header comment; bf16 names the element type of query, out
  * and the caches). */
@@ -358,17 +294,27 @@ static int prefill(const void *query, int64_t q_stride, void *out, int64_t out_s
     if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 ||
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || q_len <= 0 || q_len > seq_len)
         return ERR_SHAPE;
-    const int group = num_heads / num_kv_heads;
-    const int64_t head_elems = num_blocks * block_size * head_dim; /* one kv head's cache */
-    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int group = num_heads / num_kv_heads, first_pos = seq_len - q_len;
     const int rows = q_len * group, tiles = (rows + TILE - 1) / TILE;
+    const int splits = key_splits(num_kv_heads * tiles, first_pos, num_threads);
+    const int tasks = num_kv_heads * tiles * splits;
     /* bf16 with AVX512-BF16: every kv head's V as key pairs, steps of KEYS keys. */
     const int steps = (seq_len + KEYS - 1) / KEYS;
     const size_t vt_head = (size_t)steps * head_dim * (KEYS / 2);
+    Call call = {query, k_cache, v_cache, out, NULL, block_table, q_stride, out_stride,
+                 num_blocks * block_size * head_dim, vt_head, seq_len, q_len, group, head_dim,
+                 block_size, bf16, scale};
     uint32_t *vt = NULL;
+    float *parts = NULL; /* each task's partial result where keys are split */
     if (bf16 && BF16_DOT) {
         vt = aligned_alloc(64, ((vt_head * num_kv_heads * sizeof(uint32_t) + 63) / 64) * 64);
-        if (!vt) return ERR_NOMEM;
+        call.vt = vt;
+    }
+    if (splits > 1) parts = malloc((size_t)tasks * (head_dim + 2) * TILE * sizeof(float));
+    if ((bf16 && BF16_DOT && !vt) || (splits > 1 && !parts)) {
+        free(vt);
+        free(parts);
+        return ERR_NOMEM;
     }
     int status = OK;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
@@ -379,7 +325,7 @@ static int prefill(const void *query, int64_t q_stride, void *out, int64_t out_s
             for (int task = 0; task < num_kv_heads * steps; task++) {
                 const int kvh = task / steps, step = task % steps;
                 values_as_pairs(vt + kvh * vt_head + (size_t)step * head_dim * (KEYS / 2),
-                                (const uint16_t *)v_cache + kvh * head_elems, block_table,
+                                (const uint16_t *)v_cache + kvh * call.head_elems, block_table,
                                 seq_len, step * KEYS, head_dim, block_size);
             }
         }
@@ -390,21 +336,34 @@ static int prefill(const void *query, int64_t q_stride, void *out, int64_t out_s
 #pragma omp atomic write
             status = ERR_NOMEM;
         }
-        /* Later tiles see more keys (causal): hand tasks out one at a time, longest first. */
+        /* Later tiles see more keys (causal): hand tasks out one at a time, longest first. A
+         * last tile of at most LANES rows runs one vector wide: under LANES rows of padding. */
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < num_kv_heads * tiles; task++) {
+        for (int task = 0; task < tasks; task++) {
             if (!w) continue;
-            const int tile = tiles - 1 - task / num_kv_heads, kvh = task % num_kv_heads;
+            const int tile = tiles - 1 - task / (num_kv_heads * splits);
+            const int kvh = task / splits % num_kv_heads, s = task % splits;
             const int r0 = tile * TILE, n = rows - r0 < TILE ? rows - r0 : TILE;
-            attend_rows(w, query, q_stride, out, out_stride,
-                        (const char *)k_cache + kvh * head_elems * elem,
-                        (const char *)v_cache + kvh * head_elems * elem,
-                        vt ? vt + kvh * vt_head : NULL, block_table, seq_len, q_len, group, kvh,
-                        r0, n, head_dim, block_size, scale, bf16);
+            const int k_end = s + 1 < splits ? split_start(s + 1, splits, first_pos)
+                                             : first_pos + (r0 + n - 1) / group + 1;
+            float *part = parts ? parts + ((size_t)(tile * num_kv_heads + kvh) * splits + s) *
+                                              (head_dim + 2) * TILE
+                                : NULL;
+            (n <= LANES ? attend_narrow : attend_wide)(
+                w, &call, kvh, r0, n, split_start(s, splits, first_pos), k_end, part);
         }
         free(w);
+        if (parts) {
+#pragma omp for schedule(static)
+            for (int pair = 0; pair < tiles * num_kv_heads; pair++) {
+                const int tile = pair / num_kv_heads, r0 = tile * TILE;
+                merge_parts(&call, parts + (size_t)pair * splits * (head_dim + 2) * TILE, splits,
+                            pair % num_kv_heads, r0, rows - r0 < TILE ? rows - r0 : TILE);
+            }
+        }
     }
     free(vt);
+    free(parts);
     return status;
 #endif
 }

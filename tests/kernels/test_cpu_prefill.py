@@ -74,16 +74,16 @@ def test_the_avx2_build_matches_dense_softmax(monkeypatch):
     cpu_library.library.cache_clear()
     assert cpu_prefill.bf16_kernel(policy) == cpu_prefill.KERNEL_AVX2
     for dtype in (F32, BF16):
-        for q_len, seq_len, kv_heads, ratio, head_dim, block_size in CASES + F32_CASES[:2]:
+        for q_len, seq_len, kv_heads, ratio, head_dim, block_size, *ramp in (
+            CASES + F32_CASES[:2] + SPLIT_CASES
+        ):
             query, k, v, table = _case(
-                q_len + 3, q_len, seq_len, kv_heads, ratio, head_dim, block_size, dtype=dtype
+                q_len + 3, q_len, seq_len, kv_heads, ratio, head_dim, block_size, *ramp, dtype=dtype
             )
             scale = head_dim**-0.5
             got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
-            kc, vc = contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len)
-            torch.testing.assert_close(
-                got.double(), dense_attention(query, kc, vc, scale), **CLOSE[dtype]
-            )
+            dense = _dense(query, k, v, table, seq_len, scale)
+            torch.testing.assert_close(got.double(), dense, **CLOSE[dtype])
     # Past the policy's avx2_prefill_max_context the AVX2 build leaves the sequence to SDPA,
     # which is faster there: run_prefill (the dispatch's prefill_fn) declines it, writing
     # nothing, and takes shorter.
@@ -94,8 +94,8 @@ def test_the_avx2_build_matches_dense_softmax(monkeypatch):
     assert bool((out == 7.0).all())
     query, k, v, table = _case(1, 20, 50, 2, 3, 64, 16)
     assert cpu_prefill.run_prefill(query, k, v, table, 50, 0.125, out, policy=short)
-    kc, vc = contiguous_context(k, table, 50), contiguous_context(v, table, 50)
-    torch.testing.assert_close(out.double(), dense_attention(query, kc, vc, 0.125), **CLOSE[BF16])
+    dense = _dense(query, k, v, table, 50, 0.125)
+    torch.testing.assert_close(out.double(), dense, **CLOSE[BF16])
 
 
 def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0, dtype=BF16):
@@ -108,6 +108,12 @@ def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0,
     k, v = head_major(case.k_cache), head_major(case.v_cache)
     query = torch.randn((q_len, kv_heads * ratio, head_dim), generator=gen).to(dtype)
     return query, k, v, case.block_tables[0]
+
+
+def _dense(query, k, v, table, seq_len, scale):
+    """The float64 softmax over the sequence's first `seq_len` cached positions."""
+    kc, vc = contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len)
+    return dense_attention(query, kc, vc, scale)
 
 
 # (q_len, seq_len, kv_heads, gqa ratio, head_dim, block_size): one query; one whole 16-query
@@ -147,9 +153,7 @@ def test_prefill_matches_dense_softmax_and_sdpa(
     scale = head_dim**-0.5
     got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
     assert got.dtype == dtype
-    dense = dense_attention(
-        query, contiguous_context(k, table, seq_len), contiguous_context(v, table, seq_len), scale
-    )
+    dense = _dense(query, k, v, table, seq_len, scale)
     torch.testing.assert_close(got.double(), dense, **CLOSE[dtype])
     sdpa = reference.prefill_attention(query, k, v, table, seq_len, scale)
     torch.testing.assert_close(got, sdpa, **TOLERANCE[dtype])
@@ -167,13 +171,45 @@ def test_bf16_on_avx512_without_bf16_dot_products(monkeypatch):
         query, k, v, table = _case(q_len, q_len, seq_len, kv_heads, ratio, head_dim, block_size)
         scale = head_dim**-0.5
         got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
-        dense = dense_attention(
-            query,
-            contiguous_context(k, table, seq_len),
-            contiguous_context(v, table, seq_len),
-            scale,
-        )
+        dense = _dense(query, k, v, table, seq_len, scale)
         torch.testing.assert_close(got.double(), dense, **CLOSE[BF16])
+
+
+# Short queries deep into long contexts (a prompt chunk late in a long prompt, a suffix after a
+# prefix-cache hit), where the float32-arithmetic kernel has under 8 tasks a thread and splits
+# each tile's keys into ranges: 4 tokens of GQA 3 (one 12-row tile per kv head), 20 tokens (two
+# tiles per head), 6 tokens of GQA 8 (a 32-row tile and a one-vector one), one token with
+# head_dim 128 and 32-token blocks; the last with keys that keep rising, so that the ranges'
+# maxima lie hundreds of nats apart and the merge must rescale them.
+SPLIT_CASES = [
+    (4, 1500, 3, 3, 64, 16, 0.0),
+    (20, 900, 2, 3, 64, 16, 0.0),
+    (6, 1200, 1, 8, 64, 16, 0.0),
+    (1, 3000, 2, 4, 128, 32, 0.0),
+    (5, 2000, 1, 3, 64, 16, 0.004),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kernel", [AVX512_BF16, AVX512_F32])
+def test_short_queries_against_long_contexts_split_the_keys(kernel, threads):
+    """The split ranges' results merge into the softmax over all keys, on one thread (8 tasks
+    wanted) and two (16), so in ranges of different lengths."""
+    dtype, policy = _use(kernel)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp in SPLIT_CASES:
+            query, k, v, table = _case(
+                seq_len, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp, dtype
+            )
+            scale = head_dim**-0.5
+            got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
+            assert torch.isfinite(got.float()).all()
+            dense = _dense(query, k, v, table, seq_len, scale)
+            torch.testing.assert_close(got.double(), dense, **TOLERANCE[dtype])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kernel", [AMX, AVX512_BF16, AVX512_F32])
@@ -186,9 +222,7 @@ def test_scores_that_keep_rising_rescale_exactly(kernel):
     scale = 64**-0.5
     got = cpu_prefill.prefill_attention(query, k, v, table, 700, scale, policy=policy)
     assert torch.isfinite(got.float()).all()
-    dense = dense_attention(
-        query, contiguous_context(k, table, 700), contiguous_context(v, table, 700), scale
-    )
+    dense = _dense(query, k, v, table, 700, scale)
     # Scores of hundreds of nats carry float32's rounding into every probability (SDPA's float32
     # error here is the kernel's, 3.5e-5): the looser float32 bound.
     torch.testing.assert_close(got.double(), dense, **TOLERANCE[dtype])

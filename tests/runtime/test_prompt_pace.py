@@ -19,7 +19,7 @@ from test_step_time import Host, TimedRun
 # among the standard workload's (a mixed step costs 15 ms more than its decodes alone, a prompt
 # token 0.85 ms and 0.59 us for each token of context it attends to: 3.3 ms a token late in a
 # 4096-token prompt; a `--step-log` of that scenario, its chunks now in one C call with the
-# decodes, fits 20 ms, 0.68 ms and 0.48 us, the fixed part taking what short chunks deep in a
+# decodes, fits 17 ms, 0.69 ms and 0.39 us, the fixed part taking what short chunks deep in a
 # long prompt cost past the linear model, docs/results/step-log-fit-long-prompt-avx512bf16.json);
 # and as fitted in tokens alone at
 # concurrency 32, where no prompt is longer than 512.
