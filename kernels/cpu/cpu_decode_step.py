@@ -255,8 +255,12 @@ class DecodeStack:
             and cpu_prefill.available(self.dtype, policy=policy)
             and cpu_prefill.supports(query, k_cache, v_cache, policy=policy)
             and all(
-                cpu_prefill.takes(query, seq_len, policy=policy)
-                for seq_len in meta.seq_lens_host[meta.num_decodes :]
+                cpu_prefill.takes(query, seq_len, policy=policy, q_len=q_len)
+                for q_len, seq_len in zip(
+                    meta.query_lens_host[meta.num_decodes :],
+                    meta.seq_lens_host[meta.num_decodes :],
+                    strict=True,
+                )
             )
         )
 

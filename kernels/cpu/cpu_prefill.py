@@ -95,14 +95,19 @@ def supports(
     )
 
 
-def takes(query: torch.Tensor, seq_len: int, *, policy: KernelPolicy) -> bool:
-    """Whether the kernel takes a sequence of `seq_len` context tokens: built for AVX2 it leaves
-    those past the policy's `avx2_prefill_max_context` to SDPA, which is faster there (bf16 on
-    AMX takes every one)."""
+def takes(
+    query: torch.Tensor, seq_len: int, *, policy: KernelPolicy, q_len: int | None = None
+) -> bool:
+    """Whether the kernel takes `q_len` query tokens (default: the query's) of a sequence of
+    `seq_len` context tokens: built for AVX2 it leaves queries longer than the policy's
+    `avx2_prefill_short_query` whose contexts pass its `avx2_prefill_max_context` to SDPA,
+    which is faster there (bf16 on AMX takes every one)."""
+    q_len = query.shape[0] if q_len is None else q_len
     return (
         _on_amx(query, policy)
         or _vectors() != KERNEL_AVX2
         or seq_len <= policy.avx2_prefill_max_context
+        or q_len <= policy.avx2_prefill_short_query
     )
 
 

@@ -2,6 +2,8 @@
 against a dense float64 softmax and the SDPA reference, and the dispatch that picks them where
 the CPU has what they need."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_cases import (
@@ -84,18 +86,20 @@ def test_the_avx2_build_matches_dense_softmax(monkeypatch):
             got = cpu_prefill.prefill_attention(query, k, v, table, seq_len, scale, policy=policy)
             dense = _dense(query, k, v, table, seq_len, scale)
             torch.testing.assert_close(got.double(), dense, **CLOSE[dtype])
-    # Past the policy's avx2_prefill_max_context the AVX2 build leaves the sequence to SDPA,
-    # which is faster there: run_prefill (the dispatch's prefill_fn) declines it, writing
-    # nothing, and takes shorter.
-    short = KernelPolicy(allow_amx=False, avx2_prefill_max_context=50)
+    # Past the policy's avx2_prefill_max_context the AVX2 build leaves a query longer than its
+    # avx2_prefill_short_query to SDPA, which is faster there: run_prefill (the dispatch's
+    # prefill_fn) declines it, writing nothing, and takes a shorter context or query.
+    short = KernelPolicy(allow_amx=False, avx2_prefill_max_context=50, avx2_prefill_short_query=8)
     query, k, v, table = _case(1, 20, 60, 2, 3, 64, 16)
     out = torch.full_like(query, 7.0)
     assert not cpu_prefill.run_prefill(query, k, v, table, 60, 0.125, out, policy=short)
     assert bool((out == 7.0).all())
-    query, k, v, table = _case(1, 20, 50, 2, 3, 64, 16)
-    assert cpu_prefill.run_prefill(query, k, v, table, 50, 0.125, out, policy=short)
-    dense = _dense(query, k, v, table, 50, 0.125)
-    torch.testing.assert_close(out.double(), dense, **CLOSE[BF16])
+    for q_len, seq_len in ((20, 50), (8, 60)):
+        query, k, v, table = _case(1, q_len, seq_len, 2, 3, 64, 16)
+        out = torch.full_like(query, 7.0)
+        assert cpu_prefill.run_prefill(query, k, v, table, seq_len, 0.125, out, policy=short)
+        dense = _dense(query, k, v, table, seq_len, 0.125)
+        torch.testing.assert_close(out.double(), dense, **CLOSE[BF16])
 
 
 def _case(seed, q_len, seq_len, kv_heads, ratio, head_dim, block_size, ramp=0.0, dtype=BF16):
@@ -278,19 +282,28 @@ def test_dispatch_runs_prefills_on_the_kernel(monkeypatch, kernel, block_size):
 
 
 def test_the_avx2_build_leaves_long_contexts_of_a_step_to_sdpa(monkeypatch):
-    """Built for AVX2, a prefill whose context passes the policy's avx2_prefill_max_context runs
-    on the reference's SDPA, in the same step as shorter ones on the kernel."""
+    """Built for AVX2, a prefill whose context passes the policy's avx2_prefill_max_context and
+    whose query passes its avx2_prefill_short_query runs on the reference's SDPA, in the same
+    step as shorter ones on the kernel."""
     if not cpu_prefill.available(F32, policy=DEFAULT_POLICY):
         pytest.skip("this CPU or build has no AVX-512 or AVX2 (a test above checks which)")
     tokens, k, v, meta = _mixed_batch(F32, activations=F32)
     want = reference.paged_attention(tokens, k, v, meta, 0.125)
     # An AVX2 build, as the CPU reports it (whatever this one is).
     monkeypatch.setattr(cpu_prefill, "_vectors", lambda: cpu_prefill.KERNEL_AVX2)
-    policy = KernelPolicy(avx2_prefill_max_context=30)  # the prefills' contexts: 40, 25
+    # The prefills: 40 tokens of 40 in context, 9 of 25.
+    policy = KernelPolicy(avx2_prefill_max_context=30, avx2_prefill_short_query=8)
     kernel_rows = record_rows(monkeypatch, cpu_prefill, "prefill_attention")
     sdpa_rows = record_rows(monkeypatch, reference, "prefill_attention")
     got = dispatch.Kernels(policy).paged_attention(tokens, k, v, meta, 0.125)
     assert kernel_rows == [9] and sdpa_rows == [40]
+    torch.testing.assert_close(got, want, **TOLERANCE[F32])
+    # A 40-token query is short enough under the default policy's 64.
+    kernel_rows.clear()
+    sdpa_rows.clear()
+    policy = replace(DEFAULT_POLICY, avx2_prefill_max_context=30)
+    got = dispatch.Kernels(policy).paged_attention(tokens, k, v, meta, 0.125)
+    assert kernel_rows == [40, 9] and sdpa_rows == []
     torch.testing.assert_close(got, want, **TOLERANCE[F32])
 
 

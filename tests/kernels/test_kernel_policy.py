@@ -29,6 +29,7 @@ def test_the_defaults_are_the_measured_limits():
     assert DEFAULT_POLICY.one_call_max_rows == 16
     assert DEFAULT_POLICY.fused_decode_step is DEFAULT_POLICY.fused_prompt_step is True
     assert DEFAULT_POLICY.avx2_prefill_max_context == 1024
+    assert DEFAULT_POLICY.avx2_prefill_short_query == 64
 
 
 def test_a_policy_cannot_change_once_made_and_travels_to_other_processes():
@@ -53,6 +54,11 @@ def test_a_policy_cannot_change_once_made_and_travels_to_other_processes():
             "avx2_prefill_max_context",
             -5,
             "avx2_prefill_max_context: must be a whole number of context tokens >= 0, got -5",
+        ),
+        (
+            "avx2_prefill_short_query",
+            "64",
+            "avx2_prefill_short_query: must be a whole number of query tokens >= 0, got '64'",
         ),
     ],
 )

@@ -98,9 +98,10 @@ def test_4bit_prompt_steps_match_the_per_op_loop_bit_for_bit(tiny_qwen2_dir, tmp
 def test_a_chunk_the_prefill_kernel_leaves_to_sdpa_keeps_its_step_op_by_op(
     tiny_llama_dir, monkeypatch
 ):
-    """Built for AVX2, the prefill kernel leaves contexts past the policy's
-    `avx2_prefill_max_context` to SDPA: a step with such a chunk goes op by op (other bits),
-    the others stay fused, and both match the twin."""
+    """Built for AVX2, the prefill kernel leaves chunks longer than the policy's
+    `avx2_prefill_short_query` whose contexts pass its `avx2_prefill_max_context` to SDPA: a
+    step with such a chunk goes op by op (other bits), the others stay fused, and both match
+    the twin."""
     from kvfleet.kernels.cpu import cpu_library
     from kvfleet.kernels.cpu.cpu_features import cpu_flags
 
@@ -109,10 +110,11 @@ def test_a_chunk_the_prefill_kernel_leaves_to_sdpa_keeps_its_step_op_by_op(
     monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
     cpu_library.library.cache_clear()
     try:
-        # Contexts of the chunks: 40 in the prefill, then 9 + 20 = 29, 29 + 9 = 38, and
-        # 18 + 20 = 38 beside 38 + 17 = 55: only the first step after the prefill stays in 32.
-        policy = replace(DEFAULT_POLICY, avx2_prefill_max_context=32)
+        # Chunks (tokens, context): (40, 40) in the prefill, then (20, 29), (9, 38), and
+        # (20, 38) beside (17, 55): the first step after the prefill stays within 32 tokens of
+        # context, the second's chunk within 16 tokens.
+        policy = replace(DEFAULT_POLICY, avx2_prefill_max_context=32, avx2_prefill_short_query=16)
         calls = _match(tiny_llama_dir, torch.float32, policy, monkeypatch)
-        assert calls == [ROWS[1]]
+        assert calls == [ROWS[1], ROWS[2]]
     finally:
         cpu_library.library.cache_clear()
