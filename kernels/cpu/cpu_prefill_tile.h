@@ -105,8 +105,8 @@ static ALWAYS_INLINE void scores_bf16(float (*p)[TILE], const uint16_t *const *k
 }
 
 /* accumulate() with vdpbf16ps: each lane multiplies its (key, key + 1) pair of probabilities,
- * rounded to bf16, by the pair of V values broadcast from vt, the step's V^T as pairs
- * [D][KEYS / 2] (values_as_pairs). */
+ * rounded to bf16, by the pair of V values broadcast from vt, the step's V as pairs
+ * [KEYS / 2][D] (values_as_pairs). */
 static ALWAYS_INLINE void accumulate_bf16(Work *w, const uint32_t *vt, int n, const __m512 *corr,
                                           int D, const int nv) {
     const int pairs = (n + 1) / 2;
@@ -119,7 +119,7 @@ static ALWAYS_INLINE void accumulate_bf16(Work *w, const uint32_t *vt, int n, co
             __m512bh p[VECS];
             for (int v = 0; v < nv; v++) p[v] = (__m512bh)_mm512_load_si512(&w->pp[jp][v * LANES]);
             for (int c = 0; c < D_CHUNK; c++) {
-                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)vt[(d0 + c) * (KEYS / 2) + jp]);
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)vt[jp * D + d0 + c]);
                 for (int v = 0; v < nv; v++) o[c][v] = _mm512_dpbf16_ps(o[c][v], x, p[v]);
             }
         }
@@ -141,9 +141,10 @@ static ALWAYS_INLINE void probability_pairs(Work *w, int n, const int nv) {
         }
 }
 
-/* One kv head's V for keys [k0, k0 + KEYS) as pairs: vt[d][jp] = V[k0 + 2 jp][d] in the low
+/* One kv head's V for keys [k0, k0 + KEYS) as pairs: vt[jp][d] = V[k0 + 2 jp][d] in the low
  * half, V[k0 + 2 jp + 1][d] in the high half, 0 past seq_len. Built once per call and shared
- * by every tile of the head. */
+ * by every tile of the head; two rows' dims widen and interleave 16 at a time, so a short
+ * query's call spends little beside its tiles on it. */
 static void values_as_pairs(uint32_t *vt, const uint16_t *v_head, const int32_t *table,
                             int seq_len, int k0, int D, int block_size) {
     for (int jp = 0; jp < KEYS / 2; jp++) {
@@ -154,9 +155,13 @@ static void values_as_pairs(uint32_t *vt, const uint16_t *v_head, const int32_t 
                 row[h] = v_head + ((int64_t)table[key / block_size] * block_size +
                                    key % block_size) * D;
         }
-        for (int d = 0; d < D; d++)
-            vt[d * (KEYS / 2) + jp] =
-                (row[0] ? row[0][d] : 0u) | (uint32_t)(row[1] ? row[1][d] : 0u) << 16;
+        for (int d = 0; d < D; d += 16) {
+            __m512i half[2];
+            for (int h = 0; h < 2; h++)
+                half[h] = row[h] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row[h] + d)))
+                                 : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt + jp * D + d, _mm512_or_si512(half[0], _mm512_slli_epi32(half[1], 16)));
+        }
     }
 }
 #define BF16_DOT 1
