@@ -183,8 +183,8 @@ def test_bf16_on_avx512_without_bf16_dot_products(monkeypatch):
 # prefix-cache hit), where the float32-arithmetic kernel has under 8 tasks a thread and splits
 # each tile's keys into ranges: 4 tokens of GQA 3 (one 12-row tile per kv head), 20 tokens (two
 # tiles per head), 6 tokens of GQA 8 (a 32-row tile and a one-vector one), one token with
-# head_dim 128 and 32-token blocks; the last with keys that keep rising, so that the ranges'
-# maxima lie hundreds of nats apart and the merge must rescale them.
+# head_dim 128 and 32-token blocks; the last with keys that keep rising (key p scaled by
+# 1 + p / 250), so that the ranges' maxima lie nats apart and the merge must rescale them.
 SPLIT_CASES = [
     (4, 1500, 3, 3, 64, 16, 0.0),
     (20, 900, 2, 3, 64, 16, 0.0),
