@@ -210,19 +210,22 @@ class DecodeStack:
         (in registers up to `cpu_gemm_quant.max_rows(policy)`)."""
         self._stack.quant_max_rows = cpu_gemm_quant.max_rows(policy)
 
-    def takes_rows(self, rows: int, policy: KernelPolicy) -> bool:
-        """Whether a decode step of `rows` sequences runs here under `policy`: as many as the
-        per-op path would run on the same GEMM kernel (`cpu_gemm.max_rows(policy)` in bf16,
+    def row_range(self, policy: KernelPolicy) -> tuple[int, int]:
+        """The rows (lo, hi) of a step that runs here under `policy`: as many as the per-op
+        path would run on the same GEMM kernel (`cpu_gemm.max_rows(policy)` in bf16,
         `cpu_gemm_f32.min_rows()` to the policy's `f32_gemm_max_rows` in float32; through
         quantized weights 1 to `cpu_gemm_quant.max_rows` in registers, then dequantized up to
         `f32_gemm_max_rows`), so that fused and per-op give the same bits."""
         if self.dtype == _BF16:
-            lo, hi = 1, cpu_gemm.max_rows(policy)
-        elif self.quantized:
+            return 1, cpu_gemm.max_rows(policy)
+        if self.quantized:
             # In-register up to its rows; past them dequantized into the float32 GEMM.
-            lo, hi = 1, max(cpu_gemm_quant.max_rows(policy), policy.f32_gemm_max_rows)
-        else:
-            lo, hi = cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
+            return 1, max(cpu_gemm_quant.max_rows(policy), policy.f32_gemm_max_rows)
+        return cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
+
+    def takes_rows(self, rows: int, policy: KernelPolicy) -> bool:
+        """Whether a step of `rows` rows is within `row_range(policy)`."""
+        lo, hi = self.row_range(policy)
         return lo <= rows <= hi
 
     def accepts(self, meta: AttentionMetadata, rows: int, policy: KernelPolicy) -> bool:

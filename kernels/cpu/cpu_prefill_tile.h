@@ -16,7 +16,7 @@
 
 #define KEYS 32             /* keys per softmax update */
 #define MAX_HEAD_DIM 256
-/* The hot loops take their tile width as a constant of each caller (attend_narrow, attend_wide). */
+/* The inner products and attend() are inlined into attend_narrow and attend_wide (the .c). */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* One source for AVX-512 and AVX2 + FMA (float32 on CPUs without AVX-512): the vector width

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
+from kvfleet.kernels.policy import DEFAULT_POLICY
 
 # bf16: up to cpu_gemm.max_rows(policy) sequences (the policy's AMX or AVX512-BF16 limit);
 # float32: cpu_gemm_f32.min_rows() to the policy's f32_gemm_max_rows.
@@ -202,17 +202,6 @@ def _row(torch, batch: _Batch, n: int, context: int, prompt: int, iters: int) ->
     )
 
 
-def _row_limits(torch, dtype, policy: KernelPolicy) -> tuple[int, int]:
-    """The rows of a step the fused call takes in `dtype` under `policy` with plain weights
-    (those the per-op path runs on the same GEMM kernel; 4-bit weights take more), for
-    messages."""
-    from kvfleet.kernels.cpu import cpu_gemm, cpu_gemm_f32
-
-    if dtype == torch.bfloat16:
-        return 1, cpu_gemm.max_rows(policy)
-    return cpu_gemm_f32.min_rows(), policy.f32_gemm_max_rows
-
-
 def measure(
     model: str,
     sequences: list[int],
@@ -229,7 +218,6 @@ def measure(
     from kvfleet.runtime.models.loader import load_model
 
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
-    lo, hi = _row_limits(torch, dtype, DEFAULT_POLICY)
     net, config, _ = load_model(model, dtype, "cpu", policy=DEFAULT_POLICY)
     net.prepack()
     rows: list[StepRow] = []
@@ -238,11 +226,13 @@ def measure(
             batch = _Batch(torch, net, config, n, context, prompt, dtype)
             if not _fused_takes(batch, prompt):
                 needs = "AMX or AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2"
+                if batch.stack is not None:
+                    lo, hi = batch.stack.row_range(DEFAULT_POLICY)
+                    needs += f", and {lo} to {hi} rows a step, {batch.rows} here"
                 chunk = f" and a {prompt}-token chunk" if prompt else ""
                 raise RuntimeError(
                     f"no fused decode step here for {n} sequences{chunk} in {dtype_name} "
-                    f"({str(dtype).removeprefix('torch.')}: needs {needs}, and as many rows as "
-                    f"the per-op path runs on that GEMM: {lo} to {hi} with plain weights)"
+                    f"({str(dtype).removeprefix('torch.')}: needs {needs})"
                 )
             rows.append(_row(torch, batch, n, context, prompt, iters))
             del batch  # its caches: the next batch size allocates its own
@@ -294,10 +284,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"kvfleet bench decode-step: {exc}", file=sys.stderr)
         return 1
-    step = (
-        f"decode step with a {args.prompt_tokens}-token chunk"
-        if args.prompt_tokens
-        else ("decode step")
+    step = "decode step" + (
+        f" with a {args.prompt_tokens}-token chunk" if args.prompt_tokens else ""
     )
     print(
         f"model {report['model']} ({report['dtype']}), {report['threads']} threads; "

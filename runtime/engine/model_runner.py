@@ -182,8 +182,9 @@ class ModelRunner:
         # steps of up to `one_call_max_rows` sequences go from token ids to logits in one call
         # over it (cpu_decode_logits: the same bits, without the torch calls around the stack,
         # which run from cold caches after it); everything else (steps with LoRA adapters, or
-        # past the C GEMMs' rows), and every tensor-parallel step, runs op by op. Each step still asks the path whether it
-        # takes it under the model's current kernel policy (a benchmark may swap it).
+        # past the C GEMMs' rows), and every tensor-parallel step, runs op by op. Each step
+        # still asks the path whether it takes it under the model's current kernel policy (a
+        # benchmark may swap it).
         self.graphs: DecodeGraphs | None = None
         if graph_max_batch:
             with torch.inference_mode():

@@ -91,3 +91,5 @@ def test_batch_sizes_the_fused_call_does_not_take_are_refused(
     assert main([*argv, "--sequences", str(n), "--context", "4", "--iters", "1"]) == 1
     err = capsys.readouterr().err
     assert f"no fused decode step here for {n} sequences in {dtype}" in err
+    if (cpu_gemm if dtype == "bfloat16" else cpu_gemm_f32).available():
+        assert f"rows a step, {n} here" in err  # the stack's own range, and the step's rows

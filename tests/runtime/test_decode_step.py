@@ -3,8 +3,8 @@ gives the per-op layer loop's results to the bit, writes the same cache bytes, a
 exactly for the steps it can run (steps with prompt chunks: test_fused_prompt_step.py): decode
 steps of a bf16 model prepacked for cpu_gemm (on each of its engines, AMX and AVX512-BF16, that
 this CPU runs), or of a float32 model with as many sequences as the per-op path runs on the
-float32 GEMM kernel. The per-op side is a twin
-model whose kernel policy turns the fused step off, run beside the fused one."""
+float32 GEMM kernel. The per-op side is a twin model whose kernel policy turns the fused step
+off, run beside the fused one."""
 
 from __future__ import annotations
 
