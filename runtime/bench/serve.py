@@ -10,21 +10,21 @@ router` (prefix hit rate, TTFT; serve_routing.py). With
 `--offline-baseline`, a plain `--spawn` run is bracketed by two runs of `kvfleet bench
 throughput --baseline none` on the same workload and engine flags, and the JSON's
 `offline_ratio` is serving's output tokens/s over their mean: the host's drift during the
-command cancels to first order, as in `bench throughput`'s own A-B-A order.
+command cancels to first order, as in `bench throughput`'s own A-B-A order. Each run reports
+the CPU seconds its parts used (`cpu_seconds`: the client, and with `--spawn` the server and the
+engine core) beside the core-seconds the host had, and each offline run its own
+(`offline_cpu_seconds_runs`): on a small CPU host a served run can lack cores rather than speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import shlex
 import sys
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfleet.runtime.bench.serve_client import RunResult, drive
+from kvfleet.runtime.bench.serve_spawn import offline_throughput, spawned_server
 from kvfleet.runtime.engine.config import add_engine_args
 
 # --long-prompt-every's prompts, in step budgets (--max-num-batched-tokens): longer than one
@@ -159,96 +159,6 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[
     return items
 
 
-def _engine_flags(args: argparse.Namespace, serving: bool = True) -> list[str]:
-    """The engine flags this command was given, for the processes it starts: every flag of
-    `add_engine_args` whose value is not the started command's default (`serving`: `kvfleet
-    serve`'s; a token stays in the environment, out of the process list)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser, serving)
-    argv = ["--model", args.model]
-    for action in parser._actions:  # argparse offers no public walk of its actions
-        value = getattr(args, action.dest, action.default)
-        if action.dest in ("model", "hf_token") or value == action.default or value is None:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f"--no-{flag.removeprefix('--')}")
-        elif isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _serve_argv(args: argparse.Namespace, port: int, toggles: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), *_engine_flags(args)]
-    argv += ["--max-waiting-requests", str(max(args.num_prompts, 256)), "--log-level", "warning"]
-    return argv + toggles + shlex.split(args.serve_args)
-
-
-async def offline_throughput(args: argparse.Namespace) -> float:
-    """Output tokens/s of `kvfleet bench throughput --baseline none` in a fresh process, on
-    this command's workload and engine flags."""
-    import asyncio
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/offline.json"
-        argv = [sys.executable, "-m", "kvfleet.runtime.cli", "bench", "throughput"]
-        argv += ["--baseline", "none", "--num-prompts", str(args.num_prompts)]
-        # The server's engine flags, its defaults included: the baseline schedules as it does.
-        argv += ["--workload-seed", str(args.workload_seed), "--json", out]
-        argv += _engine_flags(args, serving=False)
-        run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise RuntimeError(f"the offline baseline failed:\n{run.stderr[-2000:]}")
-        with open(out) as f:
-            return float(json.load(f)["kvfleet_output_tokens_per_s"])
-
-
-@contextlib.asynccontextmanager
-async def spawned_server(args: argparse.Namespace, toggles: list[str]) -> AsyncIterator[str]:
-    """`kvfleet serve` with the engine flags (plus `toggles`) on a free loopback port, healthy;
-    yields its URL and stops it (SIGTERM, then kill) on exit."""
-    import asyncio
-    import signal
-    import socket
-    import subprocess
-
-    import aiohttp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(_serve_argv(args, port, toggles))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the spawned server exited {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the spawned server was not healthy within 600 s")
-                try:
-                    async with session.get(f"{url}/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 async def _run_spawned(
     args: argparse.Namespace,
     toggles: list[str],
@@ -256,7 +166,7 @@ async def _run_spawned(
     concurrency: int,
     extra: dict[str, Any] | list[dict[str, Any]] | None = None,
 ) -> RunResult:
-    async with spawned_server(args, toggles) as url:
+    async with spawned_server(args, toggles) as server:
         print(
             f"  server ready ({' '.join(toggles) or 'defaults'}), driving "
             f"{len(workload)} requests at concurrency {concurrency}"
@@ -267,7 +177,9 @@ async def _run_spawned(
             ),
             file=sys.stderr,
         )
-        return await drive(url, workload, concurrency, args.timeout, extra)
+        return await drive(
+            server.url, workload, concurrency, args.timeout, extra, server.processes()
+        )
 
 
 async def _structured_cost(
@@ -345,7 +257,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         )
     elif args.concurrency_sweep:
         levels = [int(c) for c in args.concurrency_sweep.split(",")]
-        async with spawned_server(args, []) as url:
+        async with spawned_server(args, []) as server:
             sweep = []
             for i, c in enumerate(levels):
                 # Fresh prompts per level (same lengths' distribution): repeating them would
@@ -355,7 +267,11 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 level_workload = build_workload(level_args, tokenizer)
                 print(f"  concurrency {c}: {len(level_workload)} requests", file=sys.stderr)
-                sweep.append(await drive(url, level_workload, c, args.timeout))
+                sweep.append(
+                    await drive(
+                        server.url, level_workload, c, args.timeout, None, server.processes()
+                    )
+                )
         result["sweep"] = [r.public() for r in sweep]
         if args.plot:
             from kvfleet.runtime.bench.plots import plot_concurrency_sweep
@@ -373,9 +289,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         if args.offline_baseline:
             print("  offline baseline again", file=sys.stderr)
             offline.append(await offline_throughput(args))
-            mean = sum(offline) / len(offline)
+            mean = sum(rate for rate, _ in offline) / len(offline)
             result["offline_output_tokens_per_s"] = mean
-            result["offline_output_tokens_per_s_runs"] = offline
+            result["offline_output_tokens_per_s_runs"] = [rate for rate, _ in offline]
+            result["offline_cpu_seconds_runs"] = [cpu for _, cpu in offline]
             result["offline_ratio"] = served.output_tokens_per_s / mean
     else:
         run = await drive(args.url, workload, args.concurrency, args.timeout)

@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvfleet.runtime.bench.process_cpu import CpuMeter
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -46,6 +48,10 @@ class RunResult:
     e2e_p90: float
     e2e_p99: float
     first_error: str = ""
+    # CPU seconds each part used over the run and the core-seconds the host had
+    # (process_cpu.py): {"client", and where the bench spawned the server "server" and "core",
+    # "available"}; None where /proc cannot be read.
+    cpu_seconds: dict[str, float] | None = None
     # Raw latencies for the plots ("ttft", "itl", "e2e"); not written to the JSON.
     samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
@@ -177,10 +183,13 @@ async def drive(
     concurrency: int,
     timeout: float,
     extra: dict[str, Any] | list[dict[str, Any]] | None = None,
+    processes: dict[str, list[int]] | None = None,
 ) -> RunResult:
     """Send every request, at most `concurrency` at once, and summarize; `extra`: fields
-    added to every request's body (a list: to each request its own)."""
+    added to every request's body (a list: to each request its own). The CPU seconds of this
+    process (the client) and of `processes` (role → pids) over the run go in the result."""
     import asyncio
+    import os
 
     import aiohttp
 
@@ -196,9 +205,14 @@ async def drive(
             async with sem:
                 return await _one(session, url, model, prompt, n, timeout, more)
 
+        meter = CpuMeter({"client": [os.getpid()], **(processes or {})})
+        meter.start()
         start = time.perf_counter()
         records = await asyncio.gather(
             *(limited(p, n, more) for (p, n), more in zip(workload, extras, strict=True))
         )
         duration = time.perf_counter() - start
-    return summarize(list(records), duration, concurrency)
+        cpu = meter.stop()
+    result = summarize(list(records), duration, concurrency)
+    result.cpu_seconds = cpu
+    return result

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from kvfleet.runtime.bench.serve_spawn import healthy_process
 
 from kvfleet.contract import NUM_PREEMPTIONS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 
@@ -59,44 +60,17 @@ async def replica_counters(urls: list[str]) -> list[tuple[float, float, float]]:
 async def spawned_router(urls: list[str], policy: str, seed: int) -> AsyncIterator[str]:
     """`kvfleet router --policy POLICY` over `urls` on a free loopback port, healthy; yields
     its URL and stops it on exit."""
-    import asyncio
-    import signal
-    import socket
-    import subprocess
 
-    import aiohttp
+    def argv(port: int) -> list[str]:
+        argv = [sys.executable, "-m", "kvfleet.runtime.cli", "router", "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--policy", policy, "--seed", str(seed)]
+        argv += ["--log-level", "warning"]
+        for u in urls:
+            argv += ["--upstream", u]
+        return argv
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "kvfleet.runtime.cli", "router", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--policy", policy, "--seed", str(seed)]
-    argv += ["--log-level", "warning"]
-    for u in urls:
-        argv += ["--upstream", u]
-    proc = subprocess.Popen(argv)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the router exited {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the router was not healthy within 60 s")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{url}/health") as resp:
-                        if resp.status == 200:
-                            break
-                await asyncio.sleep(0.2)
+    async with healthy_process(argv, "the router", 60, 0.2) as (url, _):
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 async def run_routing(
@@ -111,7 +85,7 @@ async def run_routing(
     for policy in ROUTING_POLICIES:
         async with contextlib.AsyncExitStack() as stack:
             urls = [
-                await stack.enter_async_context(spawned_server(args, []))
+                (await stack.enter_async_context(spawned_server(args, []))).url
                 for _ in range(args.replicas)
             ]
             router = await stack.enter_async_context(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfleet.runtime.bench.process_cpu import CpuMeter, descendants
 from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
 
 HF_BATCH_SIZE = 32
@@ -57,6 +59,9 @@ class EngineRun:
     preemptions: int
     steps: int
     timeline: dict[str, list[float]] = field(default_factory=dict)
+    # CPU seconds of this process (all its threads) and its children (tensor-parallel
+    # workers), and the core-seconds the host had (process_cpu.py); None without /proc.
+    cpu_seconds: dict[str, float] | None = None
 
 
 def measure_matmul_flops(dtype: Any, device: Any, size: int = 2048, repeats: int = 10) -> float:
@@ -100,6 +105,8 @@ def run_engine(
 
     kv, sched, bs = engine.kv, engine.scheduler, engine.kv.block_size
     util, contiguous, running, times = [], [], [], []
+    meter = CpuMeter({"engine": [os.getpid(), *descendants(os.getpid())]})
+    meter.start()
     start = time.perf_counter()
     for i, item in enumerate(workload):
         params = SamplingParams(
@@ -119,6 +126,7 @@ def run_engine(
         running.append(len(sched.running))
         times.append(time.perf_counter() - start)
     elapsed = time.perf_counter() - start
+    cpu = meter.stop()
     return EngineRun(
         elapsed=elapsed,
         prompt_tokens=sum(len(w.prompt_token_ids) for w in workload),
@@ -129,6 +137,7 @@ def run_engine(
         preemptions=sched.num_preemptions - preempt0,
         steps=steps,
         timeline={"t": times, "running": running, "kv_utilization": util},
+        cpu_seconds=cpu,
     )
 
 
@@ -250,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         "output_tokens": result.output_tokens,
         "kvfleet_elapsed_s": elapsed,
         "kvfleet_elapsed_runs_s": [r.elapsed for r in runs],
+        "kvfleet_cpu_seconds": result.cpu_seconds,
         "kvfleet_output_tokens_per_s": result.output_tokens / elapsed,
         "kvfleet_total_tokens_per_s": total_tps,
         "model_parameters": params,

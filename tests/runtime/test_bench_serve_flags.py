@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvfleet.runtime.bench import serve, throughput
+from kvfleet.runtime.bench import serve, serve_spawn, throughput
 from kvfleet.runtime.engine.config import (
     SERVE_MAX_STEP_TIME_RATIO,
     EngineConfig,
@@ -28,14 +28,14 @@ def test_the_spawned_server_gets_the_same_engine_config():
         "--enforce-eager", "--kv-cache-memory", "64MiB",
     ]  # fmt: skip
     bench = _parse(serve.register, ["serve", *flags])
-    forwarded = serve._engine_flags(bench)
+    forwarded = serve_spawn.engine_flags(bench)
     spawned = _parse(cmd_serve.register, ["serve", *forwarded])
     assert engine_config_from_args(spawned) == engine_config_from_args(bench)
     assert engine_config_from_args(bench).max_step_time_ratio == 0
 
 
 def test_defaults_are_left_to_the_server():
-    assert serve._engine_flags(_parse(serve.register, ["serve"])) == ["--model", "bundled"]
+    assert serve_spawn.engine_flags(_parse(serve.register, ["serve"])) == ["--model", "bundled"]
 
 
 def test_a_server_bounds_prompt_steps_by_default_and_offline_runs_do_not():
@@ -53,7 +53,7 @@ def test_a_server_bounds_prompt_steps_by_default_and_offline_runs_do_not():
 def test_the_offline_baseline_schedules_as_the_server_does():
     for given in ([], ["--max-step-time-ratio", "0"], ["--max-step-time-ratio", "4"]):
         bench = _parse(serve.register, ["serve", *given])
-        offline_flags = serve._engine_flags(bench, serving=False)
+        offline_flags = serve_spawn.engine_flags(bench, serving=False)
         offline = _parse(throughput.register, ["throughput", *offline_flags])
-        spawned = _parse(cmd_serve.register, ["serve", *serve._engine_flags(bench)])
+        spawned = _parse(cmd_serve.register, ["serve", *serve_spawn.engine_flags(bench)])
         assert engine_config_from_args(offline) == engine_config_from_args(spawned)
