@@ -99,18 +99,18 @@ class KernelPolicy:
     one_call_max_rows: int = 16
     # The longest context a prefill takes the float32-arithmetic kernel for when the C library
     # is built for AVX2 (8 lanes, 16 registers): past it torch's SDPA is faster. Both held to
-    # AVX2 on a Zen 4 host, one layer of the bundled model: 2.77 against 4.61 ms at 512 tokens,
-    # 49.0 against 46.8 at 2048 (`kvfleet bench cpu-kernels`' float32 rows,
+    # AVX2 on a Zen 4 host, one layer of the bundled model: 2.79 against 4.91 ms at 512 tokens,
+    # 42.9 against 40.1 at 2048 (`kvfleet bench cpu-kernels`' float32 rows,
     # docs/results/bench-cpu-kernels-avx2-emulated.json); timed directly, 14.6 / 46.7 ms against
     # 17.4 / 42.4 at 1024 / 2048.
     avx2_prefill_max_context: int = 1024
     # Queries of at most this many tokens take that kernel at any context all the same (a
     # serving step's chunk late in a long prompt, a suffix after a prefix-cache hit): it splits
     # their keys over the threads, and SDPA handles a short query poorly. Held to AVX2 on the
-    # Zen 4, one layer of the bundled model: 4 / 16 / 48-token chunks at 3,000 tokens of
-    # context 0.40 / 1.15 / 3.61 ms against 1.03 / 1.79 / 3.96 (`kvfleet bench cpu-kernels`,
-    # the same file); timed directly, 1-64-token queries at 2,048-8,192 tokens of context
-    # 1.02-6.6x SDPA's speed, 128 tokens at parity (0.98-1.03x).
+    # Zen 4, one layer of the bundled model: 4 / 16 / 48 / 64-token chunks at 3,000 tokens of
+    # context 0.38 / 1.03 / 3.15 / 4.36 ms against 0.99 / 1.61 / 3.38 / 4.51 (`kvfleet bench
+    # cpu-kernels`, the same file); timed directly, 1-64-token queries at 2,048-8,192 tokens of
+    # context 1.02-6.6x SDPA's speed, 128 tokens at parity (0.98-1.03x).
     avx2_prefill_short_query: int = 64
 
     def __post_init__(self) -> None:

@@ -66,7 +66,8 @@ from kvfleet.kernels.policy import DEFAULT_POLICY
 POLICY = DEFAULT_POLICY
 NO_AMX = replace(DEFAULT_POLICY, allow_amx=False)
 # (query tokens, context tokens): whole prompts, suffixes over a 1024-token cached prefix, then
-# serving steps' chunks 3,000 tokens into a long prompt (the kernel splits their keys).
+# serving steps' chunks 3,000 tokens into a long prompt (the kernel splits their keys; 64
+# tokens is the most an AVX2 build gives it at that context, policy.avx2_prefill_short_query).
 PREFILL_SHAPES = (
     (512, 512),
     (2048, 2048),
@@ -75,6 +76,7 @@ PREFILL_SHAPES = (
     (4, 3004),
     (16, 3016),
     (48, 3048),
+    (64, 3064),
 )
 DECODE_SEQS = 128
 DECODE_LAYERS = 30  # distinct caches per decode timing: ≈ 1.2 GB, far past any cache
