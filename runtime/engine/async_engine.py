@@ -100,7 +100,7 @@ class AsyncEngine:
             self._client = None
             raise
         self.inputs = InputProcessor(tokenizer, self.info)
-        self._outputs = OutputProcessor(tokenizer, self._observer)
+        self._outputs = OutputProcessor(tokenizer, self._observer, self.config.stream_interval)
         self._reader = asyncio.create_task(self._client.run(self._on_step, self._on_death))
 
     async def stop(self) -> None:

@@ -70,6 +70,9 @@ class EngineConfig:
     # (SERVE_MAX_STEP_TIME_RATIO).
     max_step_time_ratio: float = 0.0
     step_log: str | None = None  # append each step's time and shape to this file (step_log.py)
+    # Serving: tokens a stream gathers before they are sent (its first and last at once); 1:
+    # each step's as they come. Larger: fewer, larger chunks for the server and its clients.
+    stream_interval: int = 1
     seed: int = 0
     served_model_name: str | None = None
     num_threads: int | None = None  # CPU threads for torch, per rank (None: the cores / ranks)
@@ -137,6 +140,8 @@ class EngineConfig:
                 "max_step_time_ratio: must be 0 (off) or in (1, 100], got "
                 f"{self.max_step_time_ratio}"
             )
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval: must be >= 1, got {self.stream_interval}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
@@ -346,6 +351,15 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
         "prompts arrive, at a cost in time to first token and throughput (0: prompts take "
         "the whole --max-num-batched-tokens; only with chunked prefill)",
     )
+    if serving:
+        g.add_argument(
+            "--stream-interval",
+            type=int,
+            default=d.stream_interval,
+            help="tokens a streamed completion gathers before they are sent (its first and "
+            "last go at once): fewer, larger chunks for the server to write and clients to read "
+            "at high concurrency (1: each token as it comes)",
+        )
     g.add_argument(
         "--step-log",
         metavar="FILE",

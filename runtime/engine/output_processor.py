@@ -5,6 +5,8 @@ detokenizing, stop strings (a match ends the sequence here, and the caller tells
 abort it), the fan-in of a prompt's n completions, and the per-token timings the latency
 metrics observe. What it hands on is deltas only — the new text, token ids and logprobs of each
 completion — so streaming a long answer costs the same per token at its end as at its start.
+Under a stream interval of K (`kvfleet serve --stream-interval`) a completion's deltas are held
+until they bring K tokens, its first and its last going at once.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     sent_text: int = 0  # characters of the visible text already handed on
+    # Under a stream interval: whether its first delta has gone, and what it holds back since.
+    delivered: bool = False
+    pending: CompletionDelta | None = None
 
     @property
     def finished(self) -> bool:
@@ -100,9 +105,12 @@ class PromptState:
 class OutputProcessor:
     """Follows every live sequence; `process` turns a step's outputs into prompt deltas."""
 
-    def __init__(self, tokenizer: Any, observer: SequenceObserver | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, observer: SequenceObserver | None = None, stream_interval: int = 1
+    ) -> None:
         self._tokenizer = tokenizer.backend_tokenizer  # tokenizers.Tokenizer (the fast one)
         self.observer = observer
+        self.stream_interval = stream_interval
         self._prompts: dict[str, PromptState] = {}  # group id → prompt
         self._sequences: dict[str, tuple[PromptState, SequenceState]] = {}
 
@@ -191,6 +199,8 @@ class OutputProcessor:
                 continue
             if seq.finish_reason == "stop" and out.finish_reason is None:
                 aborts.setdefault("stop", []).append(seq.request_id)
+            if delta is not None and self.stream_interval > 1:
+                delta = self._paced(seq, delta)
             if delta is not None:
                 touched.setdefault(prompt.group_id, {})[seq.index] = delta
         for group_id, deltas in touched.items():
@@ -245,6 +255,19 @@ class OutputProcessor:
             seq.finish_reason,
             seq.stop_reason,
         )
+
+    def _paced(self, seq: SequenceState, delta: CompletionDelta) -> CompletionDelta | None:
+        """`delta` joined to what `seq` holds back, once due: its first delta and its last go
+        at once (time to first token, the end), the others when they bring `stream_interval`
+        tokens. Fewer, larger deltas: less for the server to write and clients to read."""
+        if seq.pending is not None:
+            delta = _joined(seq.pending, delta)
+            seq.pending = None
+        if seq.delivered and not seq.finished and len(delta.token_ids) < self.stream_interval:
+            seq.pending = delta
+            return None
+        seq.delivered = True
+        return delta
 
     def _observe_token(self, seq: SequenceState, now: float) -> None:
         first = seq.first_token_time is None
