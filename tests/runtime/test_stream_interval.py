@@ -8,6 +8,8 @@ from pathlib import Path
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvfleet.runtime.cli import main
 from kvfleet.runtime.engine.core_messages import CoreRequest, SequenceOutput
 from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestDelta
@@ -65,6 +67,28 @@ def test_tokens_go_out_k_at_a_time_first_and_last_at_once(tokenizer) -> None:
     grouped, _ = _run(tokenizer, 2, bursts, params)
     assert [len(c.token_ids) for c in grouped] == [1, 2, 4, 1]
     assert _joined(grouped) == _joined(each)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bursts=st.lists(st.integers(1, 3), min_size=1, max_size=12),
+    interval=st.integers(1, 5),
+)
+def test_any_steps_and_interval_give_the_same_completion(tokenizer, bursts, interval) -> None:
+    """However the tokens arrive, the held deltas join to the token-by-token completion; the
+    first goes with the first step, and every one between first and last brings >= K tokens."""
+    ids = tokenizer.encode(" a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5")
+    steps, start = [], 0
+    for size in bursts:
+        steps.append(ids[start : start + size])
+        start += size
+    params = SamplingParams(max_tokens=64, logprobs=0)
+    each, _ = _run(tokenizer, 1, steps, params)
+    paced, _ = _run(tokenizer, interval, steps, params)
+    assert _joined(paced) == _joined(each)
+    assert paced[0].token_ids == steps[0]
+    assert all(len(c.token_ids) >= interval for c in paced[1:-1])
+    assert paced[-1].finish_reason == "length"
 
 
 def test_a_stop_string_found_while_tokens_are_held_ends_the_completion_as_before(tokenizer):
