@@ -54,7 +54,6 @@ async def offline_throughput(args: argparse.Namespace) -> tuple[float, dict[str,
     """Output tokens/s of `kvfleet bench throughput --baseline none` in a fresh process, on
     this command's workload and engine flags, and the CPU seconds it used doing it."""
     import asyncio
-    import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,13 +25,14 @@ def test_the_spawned_server_gets_the_same_engine_config():
         "--model", "random:tiny", "--dtype", "float32", "--max-num-batched-tokens", "512",
         "--max-step-time-ratio", "0", "--no-enable-prefix-caching", "--num-threads", "1",
         "--long-prefill-token-threshold", "64", "--kernel-backend", "torch", "--no-allow-amx",
-        "--enforce-eager", "--kv-cache-memory", "64MiB",
+        "--enforce-eager", "--kv-cache-memory", "64MiB", "--stream-interval", "3",
     ]  # fmt: skip
     bench = _parse(serve.register, ["serve", *flags])
     forwarded = serve_spawn.engine_flags(bench)
     spawned = _parse(cmd_serve.register, ["serve", *forwarded])
     assert engine_config_from_args(spawned) == engine_config_from_args(bench)
     assert engine_config_from_args(bench).max_step_time_ratio == 0
+    assert engine_config_from_args(spawned).stream_interval == 3
 
 
 def test_defaults_are_left_to_the_server():
