@@ -30,12 +30,13 @@ def test_offline_baseline_brackets_the_served_run(tiny_llama_dir: Path, tmp_path
         result["output_tokens_per_s"] / result["offline_output_tokens_per_s"]
     )
     assert "offline baseline again" in run.stderr
-    # Where the host's cores went: each part of the served run, and each offline run.
+    # Where the host's cores went: each part of the served run, and each offline run (never
+    # more than the host had, but for a clock tick or so per process read).
     cpu = result["cpu_seconds"]
     assert cpu["client"] > 0 and cpu["server"] > 0 and cpu["core"] > 0
-    assert cpu["client"] + cpu["server"] + cpu["core"] <= cpu["available"] * 1.05
+    assert cpu["client"] + cpu["server"] + cpu["core"] <= cpu["available"] + 0.05
     for offline in result["offline_cpu_seconds_runs"]:
-        assert 0 < offline["engine"] <= offline["available"] * 1.05
+        assert 0 < offline["engine"] <= offline["available"] + 0.05
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,9 @@ def test_bench_throughput_writes_every_field(tiny_llama_dir: Path, tmp_path: Pat
     assert 0.5 < result["kv_utilization"] <= 1.0
     assert result["contiguous_kv_utilization"] < result["kv_utilization"]
     assert result["peak_running_seqs"] == 4
-    # The engine's CPU seconds over its first run: never more than the host's cores had.
+    # The engine's CPU seconds over its first run: never more than the host's cores had (but
+    # for a clock tick or so).
     cpu = result["kvfleet_cpu_seconds"]
-    assert 0 < cpu["engine"] <= cpu["available"] * 1.05
+    assert 0 < cpu["engine"] <= cpu["available"] + 0.05
     assert plot.stat().st_size > 10_000
     assert "ratio" in run.stdout
