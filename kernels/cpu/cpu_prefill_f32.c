@@ -23,8 +23,8 @@
  * where a call has fewer than 8 tasks a thread, each tile's keys are split into ranges run as
  * tasks of their own, their partial results merged (merge_parts). The bundled model's 4-token
  * chunk at 3,000 tokens of context was 3 tasks (one 32-row tile per kv head) on 2 threads; split,
- * it takes half the time (2.1x; 16 tokens 1.26x, 48 tokens 1.14x). Against SDPA, float32: 0.39 /
- * 0.87 / 2.47 ms a layer against 1.28 / 1.86 / 4.13 (`kvfleet bench cpu-kernels`).
+ * it takes half the time (2.1x; 16 tokens 1.26x, 48 tokens 1.14x). Against SDPA, float32: 0.31 /
+ * 0.81 / 2.16 ms a layer against 1.15 / 1.70 / 3.68 (`kvfleet bench cpu-kernels`).
  *
  * bf16 inputs (kvfleet_prefill_attention_bf16_vec): where the CPU has AVX-512 but no AMX, the
  * AMX kernel cannot run and torch's SDPA flash kernel took 4.4 ms a layer for a 512-token prompt
@@ -33,8 +33,8 @@
  *   with AVX512-BF16, both products run on vdpbf16ps, two bf16 products summed in float32 per
  *   lane: S^T from the query as (d, d+1) pairs against the key's pair read in place from the
  *   cache; O^T from the probabilities rounded to bf16 as (key, key+1) pairs against V, which
- *   is rearranged into key pairs once per call for all tiles (values_as_pairs). 1.30 ms a
- *   layer there for a 512-token prompt, 3.4-4.2x SDPA over runs (`kvfleet bench cpu-kernels`).
+ *   is rearranged into key pairs once per call for all tiles (values_as_pairs). 1.32 ms a
+ *   layer there for a 512-token prompt, 3.3x SDPA (`kvfleet bench cpu-kernels`).
  *   without it, each step's K and V rows are widened to float32 (exact) into the task's
  *   working memory and the float32 loops run.
  *

@@ -158,9 +158,11 @@ static void values_as_pairs(uint32_t *vt, const uint16_t *v_head, const int32_t 
         for (int d = 0; d < D; d += 16) {
             __m512i half[2];
             for (int h = 0; h < 2; h++)
-                half[h] = row[h] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row[h] + d)))
+                half[h] = row[h] ? _mm512_cvtepu16_epi32(
+                                       _mm256_loadu_si256((const __m256i *)(row[h] + d)))
                                  : _mm512_setzero_si512();
-            _mm512_storeu_si512(vt + jp * D + d, _mm512_or_si512(half[0], _mm512_slli_epi32(half[1], 16)));
+            const __m512i pair = _mm512_or_si512(half[0], _mm512_slli_epi32(half[1], 16));
+            _mm512_storeu_si512(vt + jp * D + d, pair);
         }
     }
 }

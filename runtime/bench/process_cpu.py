@@ -16,35 +16,33 @@ from dataclasses import dataclass, field
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat(pid: int | str) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name (which is in parentheses and may hold
+    spaces): state, parent, ...; None where the process is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU seconds of process `pid`, every thread of it (None: no such
     process, or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Fields after the command name, which is in parentheses and may hold spaces.
-    fields = stat.rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    fields = _stat(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
 
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid`."""
-    found = []
     try:
         names = os.listdir("/proc")
     except OSError:
         return []
+    found = []
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # ended while we looked
-        if int(stat.rsplit(b")", 1)[1].split()[1]) == pid:
+        fields = _stat(name) if name.isdigit() else None  # None too: ended while we looked
+        if fields is not None and int(fields[1]) == pid:
             found.append(int(name))
     return found
 

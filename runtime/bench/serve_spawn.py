@@ -73,6 +73,8 @@ async def offline_throughput(args: argparse.Namespace) -> tuple[float, dict[str,
 
 @dataclass(frozen=True, slots=True)
 class SpawnedServer:
+    """A `kvfleet serve` this command started: where it answers, and its process id."""
+
     url: str
     pid: int
 
