@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

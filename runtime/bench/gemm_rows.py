@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvfleet.runtime.bench import kernel_policies
-from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 
 # Keyed by the kernel policy's limit a run moves. AMX: its old and current limits. AVX512-BF16:
 # none (oneDNN throughout) and the current limit. float32: none (the kernel once needed 4 rows)

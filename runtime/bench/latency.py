@@ -48,7 +48,7 @@ from kvfleet.runtime.bench.latency_report import (
     print_report,
     ttft_rows,
 )
-from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 
 DEFAULT_SEQUENCES = "1,4,8"
 DEFAULT_PROMPTS = "128,512,2048"

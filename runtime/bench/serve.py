@@ -25,7 +25,7 @@ from typing import Any
 
 from kvfleet.runtime.bench.serve_client import RunResult, drive
 from kvfleet.runtime.bench.serve_spawn import offline_throughput, spawned_server
-from kvfleet.runtime.engine.config import add_engine_args
+from kvfleet.runtime.engine.engine_args import add_engine_args
 
 # --long-prompt-every's prompts, in step budgets (--max-num-batched-tokens): longer than one
 # step, so that chunking has something to split.

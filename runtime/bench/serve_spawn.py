@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvfleet.runtime.bench.process_cpu import descendants
-from kvfleet.runtime.engine.config import add_engine_args
+from kvfleet.runtime.engine.engine_args import add_engine_args
 
 
 def engine_flags(args: argparse.Namespace, serving: bool = True) -> list[str]:

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

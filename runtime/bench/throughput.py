@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.runtime.bench.process_cpu import CpuMeter, descendants
-from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 
 HF_BATCH_SIZE = 32
 

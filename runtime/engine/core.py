@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from kvfleet.runtime.engine.async_step import AsyncSteps
 from kvfleet.runtime.engine.config import ConfigError, EngineConfig
 from kvfleet.runtime.engine.core_messages import (
     CoreInfo,
@@ -25,13 +26,13 @@ from kvfleet.runtime.engine.core_messages import (
 from kvfleet.runtime.engine.cpu_allocator import keep_freed_memory
 from kvfleet.runtime.engine.device import model_dtype, resolve_device, resolve_kv_cache_dtype
 from kvfleet.runtime.engine.grammar_matchers import CompilingRequests, GrammarCompiler
-from kvfleet.runtime.engine.kv_budget import engine_kv_budget
+from kvfleet.runtime.engine.kv_budget import engine_kv_budget, kv_blocks
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.lora_slots import LoraSlots
-from kvfleet.runtime.engine.model_runner import ModelRunner, kv_bytes_per_token
+from kvfleet.runtime.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_token
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.sampler import Sampler, sample_isolated
-from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, scheduler_config
 from kvfleet.runtime.engine.speculator import (
     Pick,
     build_speculator,
@@ -39,8 +40,10 @@ from kvfleet.runtime.engine.speculator import (
     verified_rows,
 )
 from kvfleet.runtime.engine.step_log import StepLog
+from kvfleet.runtime.engine.step_time import StepTimeModel
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
+from kvfleet.runtime.engine.transfers import DeferredTokens
 from kvfleet.runtime.models.lora import LoraError
 
 log = logging.getLogger(__name__)
@@ -108,18 +111,7 @@ class EngineCore:
         per_token = kv_bytes_per_token(mc, self.kv_dtype, self.model.layout.num_kv_heads)
         per_token += draft.kv_bytes_per_token if draft is not None else 0
         budget = self._kv_budget()
-        if num_blocks < 0:
-            num_blocks = budget // (per_token * config.block_size)
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ConfigError(
-                f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} tokens, "
-                f"fewer than max_model_len {self.max_model_len}; raise --kv-cache-memory or lower "
-                f"--max-model-len"
-            )
-        max_batched = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            # Without chunking a whole prompt must fit one step.
-            max_batched = max(max_batched, self.max_model_len)
+        num_blocks = kv_blocks(config, budget, per_token, self.max_model_len, num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Adapters' slots sized from the flags: their memory comes before the first request.
         self.loras = (
@@ -127,18 +119,7 @@ class EngineCore:
                       config.max_cpu_loras or config.max_loras, self.dtype, self.device)
             if config.enable_lora else None
         )  # fmt: skip
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                max_batched,
-                config.enable_chunked_prefill,
-                config.long_prefill_token_threshold,
-                config.max_step_time_ratio,
-                min_prompt_tokens=config.block_size,
-                max_loras=config.max_loras if config.enable_lora else 0,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(scheduler_config(config, self.max_model_len), self.kv)
         # Decode steps replay CUDA graphs on a GPU (one process: the graphs hold no collectives).
         graphs = self.device.type == "cuda" and not config.enforce_eager and self.workers is None
         self.runner = ModelRunner(
@@ -155,6 +136,7 @@ class EngineCore:
         )
         self.sampler = Sampler(config.seed, self.device)
         self.speculator = build_speculator(self, draft) if config.speculative_config else None
+        self.pipeline = AsyncSteps(self) if config.async_scheduling else None
         self.grammars = GrammarCompiler(mc.vocab_size, self._load_tokenizer)
         # Constrained sequences join the scheduler once their grammar is compiled, so a new
         # schema never holds up the step loop.
@@ -193,16 +175,14 @@ class EngineCore:
     @property
     def info(self) -> CoreInfo:
         """The limits and locations the server's input and output processors need."""
+        folder, mc, kv = self.model_folder, self.model_config, self.kv
         return CoreInfo(
-            model_folder=str(self.model_folder) if self.model_folder is not None else None,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            eos_token_ids=list(self.model_config.eos_token_ids),
-            block_size=self.kv.block_size,
-            num_blocks=self.kv.num_blocks,
-            enable_prefix_caching=self.kv.enable_prefix_caching,
+            model_folder=str(folder) if folder is not None else None,
+            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            eos_token_ids=list(mc.eos_token_ids), block_size=kv.block_size,
+            num_blocks=kv.num_blocks, enable_prefix_caching=kv.enable_prefix_caching,
             kv_cache_dtype=self.config.kv_cache_dtype,
-        )
+        )  # fmt: skip
 
     def check_health(self) -> None:
         """Raise TPWorkerError if a tensor-parallel worker has died (else nothing: a
@@ -272,7 +252,11 @@ class EngineCore:
         return self.scheduler.num_waiting + len(self._compiling)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self._busy() or bool(self._compiling)
+
+    def _busy(self) -> bool:  # sequences to run, or a step in flight to read
+        in_flight = self.pipeline is not None and self.pipeline.in_flight is not None
+        return self.scheduler.has_unfinished() or in_flight
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -310,58 +294,74 @@ class EngineCore:
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
-        """Schedule and run one batch; return the sequences that gained tokens or ended."""
+        """Schedule and run one batch; return the sequences that gained tokens or ended (under
+        async scheduling, those of the batch before this one: async_step.py)."""
         self.check_health()
         if self._compiling:
             # With nothing else to run, wait (briefly, not spinning) for a compile to end.
-            for r in self._compiling.take_ready(wait=not self.scheduler.has_unfinished()):
+            for r in self._compiling.take_ready(wait=not self._busy()):
                 self.scheduler.add(r)
         batch = self.scheduler.schedule()
         failed = self._drop_unreadable_loras(batch) if self.loras is not None else []
+        if self.pipeline is not None:
+            return self.pipeline.step(batch) + failed
         if not batch:
             return failed
-        self.counters.steps += 1
         started = time.perf_counter()
+        result, context = self.launch(batch)
+        rows, drafts = result.sample_rows, result.draft_tokens
+        picks = sample_isolated(self.sampler, result.logits, rows, result.argmax, drafts)
+        self.observe(batch, result, context, started)  # with sampling
+        touched: list[Request] = []
+        now = time.monotonic()
+        spec = self.speculator
+        for v in verified_rows(spec, rows, picks, drafts):
+            r = v.request
+            r.num_computed_tokens -= v.rejected  # their K/V is overwritten by the next step
+            for pick in v.picks:
+                if r.finished:  # stopped, or a sibling failed and took the group down
+                    break
+                failed.extend(self.take(r, pick, now))
+            if v.rejected and not r.finished:
+                self.kv.trim(r, r.num_tokens)
+            touched.append(r)
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.max_model_len)
+        return self.outputs(touched) + failed
+
+    def launch(
+        self, batch: ScheduledBatch, previous: DeferredTokens | None = None
+    ) -> tuple[StepLogits, int]:
+        """Run the batch's forward pass and count its tokens computed: its logits, and its
+        prompt chunks' context for step-time observers. `previous`: the tokens in flight."""
+        self.counters.steps += 1
+        # Who learns from the step's time: the scheduler's model (under a step bound, to size
+        # the next steps' prompt share by) and --step-log. Only they need the prompt context.
+        context = batch.prompt_context() if self._observers() else 0
         try:
-            result = self.runner.execute(batch)
+            result = self.runner.execute(batch, previous)
         except Exception as exc:
             self.check_health()  # a collective failed as a worker died: name the rank instead
             raise exc
-        # Who learns from the step's time: the scheduler's model (under a step bound, to size
-        # the next steps' prompt share by) and --step-log. Only they need the prompt context.
-        observers = [o for o in (self.scheduler.step_times, self.step_log) if o is not None]
-        context = batch.prompt_context() if observers else 0
         for r, n in zip(batch.requests, batch.num_tokens, strict=True):
             r.num_computed_tokens += n
         for r in batch.preempted if self.speculator is not None else ():
             self.speculator.forget(r)
         for r, entries in result.prompt_logprobs:
             r.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
-        rows = result.sample_rows
-        picks = sample_isolated(
-            self.sampler, result.logits, rows, result.argmax, result.draft_tokens
-        )
-        seconds, decodes = time.perf_counter() - started, result.decode_rows  # with sampling
-        for observer in observers:
-            observer.observe(batch.total_tokens - decodes, decodes, seconds, context)
-        touched: list[Request] = []
-        now = time.monotonic()
-        spec = self.speculator
-        for v in verified_rows(spec, rows, picks, result.draft_tokens):
-            r = v.request
-            r.num_computed_tokens -= v.rejected  # their K/V is overwritten by the next step
-            for pick in v.picks:
-                if r.finished:  # stopped, or a sibling failed and took the group down
-                    break
-                failed.extend(self._take(r, pick, now))
-            if v.rejected and not r.finished:
-                self.kv.trim(r, r.num_tokens)
-            touched.append(r)
-        if spec is not None:
-            spec.propose(self.scheduler.running, self.max_model_len)
-        return [self._output(r) for r in touched if r.request_id in self._sent] + failed
+        return result, context
 
-    def _take(self, r: Request, pick: Pick | Exception, now: float) -> list[SequenceOutput]:
+    def _observers(self) -> list[StepTimeModel | StepLog]:
+        # Built per step: the warm-up swaps both objects.
+        return [o for o in (self.scheduler.step_times, self.step_log) if o is not None]
+
+    def observe(self, batch: ScheduledBatch, result: StepLogits, context: int, t0: float) -> None:
+        """Tell the step-time observers how long the batch took from `t0`."""
+        seconds, decodes = time.perf_counter() - t0, result.decode_rows
+        for observer in self._observers():
+            observer.observe(batch.total_tokens - decodes, decodes, seconds, context)
+
+    def take(self, r: Request, pick: Pick | Exception, now: float) -> list[SequenceOutput]:
         """Append one sampled token to `r`; the group's failure outputs where it cannot."""
         if isinstance(pick, Exception):
             return self._fail_group(r, pick)
@@ -384,11 +384,8 @@ class EngineCore:
         freed at once), each output saying why. Nobody else is touched."""
         log.error("request %s failed; the engine goes on", request.group_id, exc_info=exc)
         message = failure_message(exc)
-        siblings = [
-            r
-            for r in [*self.scheduler.requests.values(), *self._compiling]
-            if r.group_id == request.group_id
-        ]
+        live = [*self.scheduler.requests.values(), *self._compiling]
+        siblings = [r for r in live if r.group_id == request.group_id]
         outputs = []
         for r in [request, *(s for s in siblings if s is not request)]:
             self._compiling.pop(r.request_id, None)
@@ -426,7 +423,10 @@ class EngineCore:
             self.loras.release(r.lora_id)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
 
-    def _output(self, r: Request) -> SequenceOutput:
+    def outputs(self, touched: list[Request]) -> list[SequenceOutput]:
+        return [self.output(r) for r in touched if r.request_id in self._sent]
+
+    def output(self, r: Request) -> SequenceOutput:
         """What `r` gained since its last output. A group's first sequence brings the prompt's
         logprobs with its first output: it samples only once its whole prompt is scored."""
         sent = self._sent[r.request_id]

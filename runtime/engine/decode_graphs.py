@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kvfleet.kernels.metadata import AttentionMetadata
+from kvfleet.runtime.engine.transfers import TokenFills
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self._host = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
         self._host_table = torch.zeros((n, self.max_blocks), dtype=torch.int32, pin_memory=pin)
+        # Recorded after their copies: async scheduling writes the next step's inputs while
+        # the device may not have read the last ones yet.
+        self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, _Captured] = {}
         self._capture = capture
         self._pool = None
@@ -155,14 +159,17 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         block_table: np.ndarray,
+        fills: TokenFills | None = None,
     ) -> torch.Tensor:
         """Final hidden states [n, hidden] of a decode-only step of n sequences; valid until
-        the next call."""
+        the next call. `fills`: input ids the step before sampled, put in place on the device."""
         n = len(input_ids)
         size = bucket_for(n, self.sizes)
         if size is None:
             raise ValueError(f"decode graphs: {n} sequences, more than {self.sizes[-1]}")
         host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()
         host[0, :n] = torch.tensor(input_ids)
         host[1, :n] = torch.tensor(positions)
         host[2, :n] = torch.tensor(slots)
@@ -178,6 +185,10 @@ class DecodeGraphs:
         self.slots[:size].copy_(host[2, :size], non_blocking=nb)
         self.seq_lens[:size].copy_(host[3, :size], non_blocking=nb)
         self.block_tables[:n, :width].copy_(self._host_table[:n, :width], non_blocking=nb)
+        if self._copied is not None:
+            self._copied.record()
+        if fills is not None:
+            fills.fill(self.input_ids[:n])
         captured = self._graphs[size]
         captured.replay()
         return captured.hidden[:n]

@@ -52,3 +52,19 @@ def engine_kv_budget(config: EngineConfig, device: torch.device) -> int:
             device, config.kv_cache_memory_fraction, config.gpu_memory_utilization
         )
     return CPU_DEFAULT_KV_MEMORY
+
+
+def kv_blocks(
+    config: EngineConfig, budget: int, per_token: int, max_model_len: int, num_blocks: int = -1
+) -> int:
+    """The KV blocks `budget` bytes hold at `per_token` bytes a token (or `num_blocks` where
+    already known, >= 0); ConfigError where they cannot hold one sequence of max_model_len."""
+    if num_blocks < 0:
+        num_blocks = budget // (per_token * config.block_size)
+    if num_blocks * config.block_size < max_model_len:
+        raise ConfigError(
+            f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} tokens, "
+            f"fewer than max_model_len {max_model_len}; raise --kv-cache-memory or lower "
+            f"--max-model-len"
+        )
+    return num_blocks

@@ -87,7 +87,7 @@ class KVCacheManager:
         the request is admitted with them (allocate_slots)."""
         if not self.enable_prefix_caching:
             return [], 0
-        max_hit_tokens = request.num_tokens - 1
+        max_hit_tokens = request.num_known_tokens - 1
         owed = request.prompt_logprob_position
         if owed is not None:
             # Logits exist only for computed positions: a hit past the first position that
@@ -141,9 +141,10 @@ class KVCacheManager:
         for _ in range(max(needed, 0)):
             held.append(self._take_fresh_block())
         if self.enable_prefix_caching:
-            # Only the request's own tokens name blocks: slots made for draft tokens
-            # (speculative decoding) hold nothing the cache may serve until they are accepted.
-            self._name_full_blocks(request, min(total_tokens, request.num_tokens))
+            # Only the request's own known tokens name blocks: slots made for draft tokens
+            # (speculative decoding) hold nothing the cache may serve until they are accepted,
+            # and a placeholder (async scheduling) waits for its token, named at the next call.
+            self._name_full_blocks(request, min(total_tokens, request.num_known_tokens))
         return True
 
     def _take_fresh_block(self) -> int:

@@ -14,6 +14,7 @@ from kvfleet.runtime.engine.decode_graphs import DecodeGraphs
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.scheduler import ScheduledBatch
+from kvfleet.runtime.engine.transfers import DeferredTokens, TokenFills, to_device, upload
 from kvfleet.runtime.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -91,26 +92,31 @@ def forward_step(
     device: torch.device,
     stack: DecodeStack | None = None,
     lora: list[LoraLayer] | None = None,
+    fills: TokenFills | None = None,
 ) -> torch.Tensor:
     """The model's final hidden states [T, hidden] for the step's tokens (K/V written to
     `kv_caches`), through the fused decode `stack` where it takes the step; with `lora`, the
-    step's adapters added to each layer's projections."""
+    step's adapters added to each layer's projections; with `fills`, input ids put in place on
+    the device."""
     qsl = np.zeros(len(inputs.query_lens) + 1, dtype=np.int32)
     np.cumsum(inputs.query_lens, out=qsl[1:])
     meta = AttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl).to(device),
-        seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(inputs.block_table).to(device),
-        slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=device),
+        query_start_loc=upload(torch.from_numpy(qsl), device),
+        seq_lens=to_device(inputs.seq_lens, torch.int32, device),
+        block_tables=upload(torch.from_numpy(inputs.block_table), device),
+        slot_mapping=to_device(inputs.slots, torch.int64, device),
         num_decodes=inputs.num_decodes,
         max_query_len=max(inputs.query_lens),
         max_seq_len=max(inputs.seq_lens),
         query_lens_host=inputs.query_lens,
         seq_lens_host=inputs.seq_lens,
     )
+    input_ids = to_device(inputs.input_ids, torch.long, device)
+    if fills is not None:
+        fills.fill(input_ids)
     return model(
-        torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
-        torch.tensor(inputs.positions, dtype=torch.long, device=device),
+        input_ids,
+        to_device(inputs.positions, torch.long, device),
         kv_caches,
         meta,
         stack,
@@ -204,9 +210,11 @@ class ModelRunner:
             self.one_call = model.build_decode_logits(self.stack, rows, max_blocks)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepLogits:
+    def execute(self, batch: ScheduledBatch, previous: DeferredTokens | None = None) -> StepLogits:
         """Run every scheduled token; return the logits of the requests that now need a
-        sampled token, and the prompt logprobs owed by the scheduled positions."""
+        sampled token, and the prompt logprobs owed by the scheduled positions. `previous`:
+        the tokens the step before sampled, where some requests' last tokens are placeholders
+        for them (async scheduling: `Request.pending_row`)."""
         bs = self.kv.block_size
         # A request with draft tokens (speculative decoding) runs as one decode row per token,
         # its last token's then each draft's, over the same blocks: every layer writes the
@@ -229,6 +237,7 @@ class ModelRunner:
         num_decodes = sum(batch.num_tokens[i] for i in order[:num_seq_decodes])
         drafts: list[int] | None = None
         token_slots: list[int] = []
+        fills = TokenFills(previous) if previous is not None else None
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -270,6 +279,8 @@ class ModelRunner:
                     sample_rows.append(r)
                 continue
             if n == 1:
+                if r.pending_row >= 0 and start == r.num_tokens - 1:
+                    fills.add(len(input_ids), r.pending_row)  # type: ignore[union-attr]
                 input_ids.append(r.all_token_ids[start])
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -287,6 +298,11 @@ class ModelRunner:
                 if drafts is not None:
                     drafts.append(-1)
 
+        if fills is not None and not fills.rows:
+            fills = None
+        elif fills is not None and self.device.type == "cpu":
+            fills.fill_host(input_ids)  # the tokens are on the host already
+            fills = None
         max_blocks = max(len(t) for t in tables)
         # One token per sequence, every one sampled (a one-token chunk inside a prompt is not,
         # and its row would have logits no request takes), no prompt logprobs.
@@ -317,13 +333,15 @@ class ModelRunner:
         graphs = self.graphs if slot_of is None else None
         lora = self._lora_layers(token_slots) if slot_of is not None else None
         if graphs is not None and graphs.accepts(len(seq_lens), num_decodes, max_blocks):
-            hidden = graphs.run(input_ids, positions, slots, seq_lens, table)
+            hidden = graphs.run(input_ids, positions, slots, seq_lens, table, fills)
         else:
-            hidden = forward_step(self.model, self.kv_caches, inputs, self.device, self.stack, lora)
+            hidden = forward_step(
+                self.model, self.kv_caches, inputs, self.device, self.stack, lora, fills
+            )
         calls = iter(inputs.logit_rows)
 
         def next_logits() -> torch.Tensor:
-            rows = torch.tensor(next(calls), dtype=torch.long, device=self.device)
+            rows = to_device(next(calls), torch.long, self.device)
             return self.model.compute_logits(hidden[rows])
 
         prompt_logprobs = [(s.request, self._prompt_logprobs(next_logits, s)) for s in prompt_spans]
@@ -352,7 +370,7 @@ class ModelRunner:
                 if token_slots[start] >= 0:
                     segments.append((token_slots[start], start, row))
                 start = row
-        slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        slots = to_device(token_slots, torch.long, self.device)
         return self.loras.layers(self.model.kernels, LoraMapping(slots, segments))
 
     def _prompt_logprobs(

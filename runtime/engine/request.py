@@ -65,6 +65,11 @@ class Request:
     # Draft tokens proposed to follow it (speculative decoding): not yet its tokens; the next
     # step computes them beside its last token and keeps those the model agrees with.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling (async_step.py): its last token is a placeholder for the token that
+    # row `pending_row` of the step in flight samples (-1: every token is known); and whether
+    # that token is its last one (max_tokens or the context reached), so nothing is scheduled.
+    pending_row: int = -1
+    last_in_flight: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -100,6 +105,11 @@ class Request:
         """Whether its next step computes one token, its last (a decode), rather than prompt
         tokens: the split the scheduler orders a step by and the step-time model prices by."""
         return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its tokens, less a placeholder for one still being sampled (async scheduling)."""
+        return len(self.all_token_ids) - (self.pending_row >= 0)
 
     @property
     def num_output_tokens(self) -> int:

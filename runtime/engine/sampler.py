@@ -20,6 +20,7 @@ import torch
 from kvfleet.kernels import dispatch
 from kvfleet.runtime.engine.grammar_matchers import TokenBitmask
 from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.transfers import to_device, upload
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.bitmask = TokenBitmask()
 
-    @torch.inference_mode()
     def __call__(
         self,
         logits: torch.Tensor,
@@ -37,12 +37,26 @@ class Sampler:
         argmax: list[int] | None = None,
         drafts: list[int] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Each row's token and logprob entry, on the host (see `sample`)."""
+        tokens, logprobs = self.sample(logits, requests, argmax, drafts)
+        return (tokens if isinstance(tokens, list) else tokens.tolist()), logprobs
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        argmax: list[int] | None = None,
+        drafts: list[int] | None = None,
+    ) -> tuple[torch.Tensor | list[int], list[TokenLogprob | None]]:
         """logits: float32 [len(requests), vocab] on the sampler's device, left unchanged (the
         engine samples rows again one by one when a batch fails, from the same logits).
         `argmax`: each row's argmax of `logits` where the caller has it (the one-call CPU decode
         step computes it): greedy rows take it unless a bias or constraint changed the row.
         `drafts` (speculative decoding): each row's draft token, -1 for none. A row returns
-        its draft when it accepts it, else a token that is not the draft (see `_verify`)."""
+        its draft when it accepts it, else a token that is not the draft (see `_verify`).
+        The tokens stay on the device (a list where `argmax` gave them): only logprobs, where
+        a row asks for them, make the host wait for the sampling to end."""
         # Returned logprobs are the model's own distribution: taken before logit_bias, penalties
         # and min_tokens, as vLLM's default does, so a forced token shows how unlikely it was.
         raw_logprobs = None
@@ -59,19 +73,20 @@ class Sampler:
             self.bitmask.apply(logits, grammars)
 
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        tokens: torch.Tensor | list[int]
         if len(greedy) == len(requests) and argmax is not None and logits is given:
-            token_list = list(argmax)
+            tokens = list(argmax)
         elif len(greedy) == len(requests):
-            token_list = dispatch.argmax(logits).tolist()
+            tokens = dispatch.argmax(logits)
         else:
             tokens = self._sample(logits, requests, drafts)
             if greedy:
-                idx = torch.tensor(greedy, device=logits.device)
+                idx = to_device(greedy, torch.long, logits.device)
                 tokens[idx] = dispatch.argmax(logits[idx])
-            token_list = tokens.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         if raw_logprobs is not None:
+            token_list = tokens if isinstance(tokens, list) else tokens.tolist()
             for i, r in enumerate(requests):
                 n = r.params.logprobs
                 if n is None:
@@ -82,7 +97,7 @@ class Sampler:
                     top = list(zip(ids.tolist(), vals.tolist(), strict=True))
                 tok = token_list[i]
                 logprobs[i] = TokenLogprob(tok, float(raw_logprobs[i, tok]), top)
-        return token_list, logprobs
+        return tokens, logprobs
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -94,8 +109,8 @@ class Sampler:
         cols = [t for _, bias in biased for t in bias]
         values = [v for _, bias in biased for v in bias.values()]
         dev = logits.device
-        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-        bias = torch.tensor(values, dtype=logits.dtype, device=dev)
+        index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))
+        bias = to_device(values, logits.dtype, dev)
         return logits.index_put(index, bias, accumulate=True)
 
     @staticmethod
@@ -163,9 +178,7 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's sampling distribution: temperature, top-k, top-p and min-p applied."""
         dev = logits.device
-        temps = torch.tensor(
-            [r.params.temperature or 1.0 for r in requests], dtype=logits.dtype, device=dev
-        )
+        temps = to_device([r.params.temperature or 1.0 for r in requests], logits.dtype, dev)
         logits = logits / temps[:, None]
         top_k = [r.params.top_k for r in requests]
         top_p = [r.params.top_p for r in requests]
@@ -174,7 +187,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         min_p = [r.params.min_p for r in requests]
         if any(min_p):
-            mp = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
+            mp = to_device(min_p, probs.dtype, dev)[:, None]
             probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
@@ -189,7 +202,7 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
             else:
                 row = torch.empty(probs.shape[-1], dtype=probs.dtype)
-                noise[i].copy_(row.exponential_(generator=r.generator))
+                noise[i].copy_(upload(row.exponential_(generator=r.generator), dev))
         return dispatch.argmax(probs / noise)
 
 
@@ -198,10 +211,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     dev = logits.device
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev)
+    k = to_device([t if t > 0 else vocab for t in top_k], torch.long, dev)
     ranks = torch.arange(vocab, device=dev)[None, :]
     mask = ranks >= k[:, None]
-    p = torch.tensor(top_p, dtype=logits.dtype, device=dev)[:, None]
+    p = to_device(top_p, logits.dtype, dev)[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
     # Drop a token when the tokens ranked above it already reach top_p.
     mask |= (probs.cumsum(dim=-1) - probs) >= p

@@ -38,6 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.engine.config import EngineConfig
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.request import Request, RequestStatus
 from kvfleet.runtime.engine.step_time import (
@@ -70,6 +71,23 @@ class SchedulerConfig:
     # Most LoRA adapters among running requests (the slots the model holds them in); a
     # waiting request of another adapter is passed over until one of them ends. 0: no LoRA.
     max_loras: int = 0
+
+
+def scheduler_config(config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+    """The scheduler's settings from the engine's flags."""
+    max_batched = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        # Without chunking a whole prompt must fit one step.
+        max_batched = max(max_batched, max_model_len)
+    return SchedulerConfig(
+        config.max_num_seqs,
+        max_batched,
+        config.enable_chunked_prefill,
+        config.long_prefill_token_threshold,
+        config.max_step_time_ratio,
+        min_prompt_tokens=config.block_size,
+        max_loras=config.max_loras if config.enable_lora else 0,
+    )
 
 
 @dataclass(slots=True)
@@ -186,6 +204,8 @@ class Scheduler:
         decodes = []
         prefills = []
         for r in self.running:
+            if r.last_in_flight:
+                continue  # its last token is being sampled (async scheduling): nothing to run
             (decodes if r.is_decoding else prefills).append(r)
 
         for request in decodes:

@@ -16,7 +16,8 @@ import logging
 import os
 import sys
 
-from kvfleet.runtime.engine.config import ConfigError, add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.config import ConfigError
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 from kvfleet.runtime.server.tool_calls.parsers import TOOL_CALL_PARSERS
 from kvfleet.runtime.server.vllm_flags import (
     add_vllm_flags,

@@ -103,7 +103,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
     "--max-num-partial-prefills": "use --long-prefill-token-threshold",
     "--max-long-partial-prefills": "use --long-prefill-token-threshold",
     "--cuda-graph-sizes": "",
-    "--async-scheduling": "",
     "--preemption-mode": "",
     "--num-scheduler-steps": "",
     "--disable-chunked-mm-input": "",

@@ -6,11 +6,8 @@ from __future__ import annotations
 import argparse
 
 from kvfleet.runtime.bench import serve, serve_spawn, throughput
-from kvfleet.runtime.engine.config import (
-    SERVE_MAX_STEP_TIME_RATIO,
-    EngineConfig,
-    engine_config_from_args,
-)
+from kvfleet.runtime.engine.config import EngineConfig
+from kvfleet.runtime.engine.engine_args import SERVE_MAX_STEP_TIME_RATIO, engine_config_from_args
 from kvfleet.runtime.server import cmd_serve
 
 

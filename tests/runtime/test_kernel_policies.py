@@ -13,12 +13,8 @@ from kvfleet.kernels import dispatch
 from kvfleet.kernels.cpu import cpu_decode_step, cpu_gemm, cpu_gemm_f32
 from kvfleet.kernels.policy import DEFAULT_POLICY, KernelPolicy
 from kvfleet.runtime.engine import tp_start
-from kvfleet.runtime.engine.config import (
-    ConfigError,
-    EngineConfig,
-    add_engine_args,
-    engine_config_from_args,
-)
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 from kvfleet.runtime.engine.llm import LLM
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.models.loader import load_model

@@ -373,7 +373,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_loads_but_its_extra_ids_are_refu
 def test_tokenizer_flag_reaches_the_engine_config() -> None:
     import argparse
 
-    from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+    from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from kvfleet.runtime.engine import step_time
-from kvfleet.runtime.engine.config import SERVE_MAX_STEP_TIME_RATIO
+from kvfleet.runtime.engine.engine_args import SERVE_MAX_STEP_TIME_RATIO
 from kvfleet.runtime.engine.scheduler import SchedulerConfig
 from kvfleet.runtime.engine.step_time import PACE_DECAY, PACE_HEADROOM, PromptCost, PromptPace
 from test_step_time import Host, TimedRun

@@ -242,7 +242,7 @@ def test_threshold_is_validated_with_the_field_name() -> None:
 def test_threshold_flag_reaches_the_scheduler_and_changes_no_output() -> None:
     import argparse
 
-    from kvfleet.runtime.engine.config import add_engine_args, engine_config_from_args
+    from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
     from kvfleet.runtime.engine.llm import LLM
 
     parser = argparse.ArgumentParser()

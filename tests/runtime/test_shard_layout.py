@@ -10,7 +10,8 @@ import itertools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfleet.runtime.engine.config import ConfigError, EngineConfig, add_engine_args
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
+from kvfleet.runtime.engine.engine_args import add_engine_args
 from kvfleet.runtime.engine.tp_workers import threads_per_rank
 from kvfleet.runtime.models.shard_layout import (
     TensorParallelError,
@@ -115,7 +116,7 @@ def test_one_pinned_gpu_cannot_hold_several_ranks() -> None:
 
 
 def test_the_flag_reaches_the_engine_config() -> None:
-    from kvfleet.runtime.engine.config import engine_config_from_args
+    from kvfleet.runtime.engine.engine_args import engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

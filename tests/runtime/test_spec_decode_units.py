@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvfleet.runtime.engine.config import ConfigError, add_engine_args, engine_config_from_args
+from kvfleet.runtime.engine.config import ConfigError
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager, hash_block, root_hash
 from kvfleet.runtime.engine.ngram_proposer import propose_ngram
 from kvfleet.runtime.engine.request import Request, RequestStatus

@@ -10,12 +10,8 @@ import random
 
 import pytest
 from kvfleet.runtime.bench import step_log_fit
-from kvfleet.runtime.engine.config import (
-    ConfigError,
-    EngineConfig,
-    add_engine_args,
-    engine_config_from_args,
-)
+from kvfleet.runtime.engine.config import ConfigError, EngineConfig
+from kvfleet.runtime.engine.engine_args import add_engine_args, engine_config_from_args
 from kvfleet.runtime.engine.sampling_params import SamplingParams
 from kvfleet.runtime.engine.step_log import StepLog, read_step_log
 from kvfleet.runtime.engine.step_time import context_sum
