@@ -274,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": result.steps,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
+        "async_scheduling": config.async_scheduling,
     }
     if baseline is not None:
         base_elapsed, useful = baseline

@@ -12,7 +12,8 @@ penalties, grammars and min_tokens see every token before it). Outputs come one 
 
 What a step costs for it: a sequence that ended at N (EOS, a stop token, a stop string the server
 found, an abort) ran one row of N+1 for nothing, whose token is dropped; one whose token at N is
-its last (max_tokens, the context's end) is known as such and not scheduled again. On CPU the
+its last (max_tokens, the context's end) is known as such: it leaves the batch at once, its
+blocks freed, and ends when the token is read. On CPU the
 forward pass runs in the calling thread, so nothing overlaps: each sequence's tokens are those of
 a synchronous step. Speculative decoding and tensor parallelism need each step's tokens on the
 host before the next is built, and refuse the flag (config.py).
@@ -90,7 +91,7 @@ class AsyncSteps:
         for r, pick in zip(flight.rows, flight.read(), strict=True):
             if r.finished or r.pending_row < 0:
                 continue  # it ended while the step ran: its row computed nothing it needs
-            r.pending_row, r.last_in_flight = -1, False
+            r.pending_row = -1
             r.all_token_ids.pop()  # the placeholder; `take` appends the token
             failed.extend(core.take(r, pick, now))
             touched.append(r)
@@ -124,5 +125,8 @@ class AsyncSteps:
         for i, r in enumerate(rows):
             r.all_token_ids.append(PLACEHOLDER)
             r.pending_row = i
-            r.last_in_flight = r.num_output_tokens >= r.max_tokens or r.num_tokens >= max_len
+            if r.num_output_tokens >= r.max_tokens or r.num_tokens >= max_len:
+                # Its last token: nothing of it runs again, so its seat in the batch and its
+                # blocks go to others now (a GPU reuses them after this step, in stream order).
+                core.scheduler.retire(r)
         return flight

@@ -66,10 +66,8 @@ class Request:
     # step computes them beside its last token and keeps those the model agrees with.
     spec_token_ids: list[int] = field(default_factory=list)
     # Async scheduling (async_step.py): its last token is a placeholder for the token that
-    # row `pending_row` of the step in flight samples (-1: every token is known); and whether
-    # that token is its last one (max_tokens or the context reached), so nothing is scheduled.
+    # row `pending_row` of the step in flight samples (-1: every token is known).
     pending_row: int = -1
-    last_in_flight: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

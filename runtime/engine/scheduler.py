@@ -164,6 +164,13 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
+    def retire(self, request: Request) -> None:
+        """Take a running request whose last token is being sampled (async scheduling) out of
+        the batch and give its blocks back: nothing of it runs again. `finish` ends it once
+        the token is read."""
+        self.running.remove(request)
+        self.kv.free(request)
+
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None:
@@ -204,8 +211,6 @@ class Scheduler:
         decodes = []
         prefills = []
         for r in self.running:
-            if r.last_in_flight:
-                continue  # its last token is being sampled (async scheduling): nothing to run
             (decodes if r.is_decoding else prefills).append(r)
 
         for request in decodes:

@@ -104,6 +104,29 @@ def test_a_request_at_its_length_is_not_run_again(llm):
     assert passes[0] == passes[1] == 9
 
 
+def test_a_request_at_its_length_gives_its_seat_up_at_once(tiny_llama_dir):
+    """One sequence at a time: the next is admitted in the call that launches the last
+    token's step, so the async engine needs one call more than the synchronous one (to read
+    that token), not one more per request."""
+    calls = []
+    for in_flight in (False, True):
+        llm = LLM(
+            str(tiny_llama_dir), dtype="float32", max_model_len=256, kv_cache_memory="8MiB",
+            max_num_seqs=1, async_scheduling=in_flight,
+        )  # fmt: skip
+        engine = llm.engine
+        for i in range(3):
+            engine.add_request(
+                f"r{i}", f"Prompt {i}", SamplingParams(max_tokens=4, ignore_eos=True)
+            )
+        n = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            n += 1
+        calls.append(n)
+    assert calls == [12, 13]
+
+
 def test_generated_blocks_serve_a_later_prompt_as_they_do_synchronously(llm):
     """A block a placeholder completes is named once its token is known, not with the
     placeholder: a conversation's next turn hits the cache as far as it does without."""

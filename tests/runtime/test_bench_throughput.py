@@ -32,6 +32,7 @@ def test_bench_throughput_writes_every_field(tiny_llama_dir: Path, tmp_path: Pat
         str(out),
         "--plot",
         str(plot),
+        "--async-scheduling",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -50,6 +51,7 @@ def test_bench_throughput_writes_every_field(tiny_llama_dir: Path, tmp_path: Pat
     ):
         assert key in result, key
     assert result["num_prompts"] == 4 and result["dtype"] == "float32"
+    assert result["async_scheduling"] is True
     assert len(result["kvfleet_elapsed_runs_s"]) == 2  # engine, baseline, engine again
     assert result["ratio"] > 0 and 0 < result["mfu"] < 1
     assert 0.5 < result["kv_utilization"] <= 1.0
