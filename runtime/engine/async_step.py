@@ -10,13 +10,13 @@ as soon as sampled, so it waits for that copy, not for N+1), puts each in place 
 placeholder and runs the stop checks as a synchronous step would, before N+1 samples (so
 penalties, grammars and min_tokens see every token before it). Outputs come one call later.
 
-What a step costs for it: a sequence that ended at N (EOS, a stop token, a stop string the server
-found, an abort) ran one row of N+1 for nothing, whose token is dropped; one whose token at N is
-its last (max_tokens, the context's end) is known as such: it leaves the batch at once, its
-blocks freed, and ends when the token is read. On CPU the
-forward pass runs in the calling thread, so nothing overlaps: each sequence's tokens are those of
-a synchronous step. Speculative decoding and tensor parallelism need each step's tokens on the
-host before the next is built, and refuse the flag (config.py).
+What it costs: a sequence that ended at N (EOS, a stop token, a stop string the server found, an
+abort) ran one row of N+1 for nothing, whose token is dropped. One whose token at N is its last
+(max_tokens, the context's end) is known as such: it leaves the batch at once, its blocks freed,
+and ends when the token is read. On CPU the forward pass runs in the calling thread, so nothing
+overlaps; each sequence's tokens are those of synchronous steps either way. Speculative decoding
+and tensor parallelism need each step's tokens on the host before the next is built, and refuse
+the flag (config.py).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ class AsyncSteps:
         outputs = self._read(previous) if previous is not None else []
         if batch:
             self.in_flight = self._sample(result)
+            # On a GPU the time from here to there is one step's period, most of it the wait
+            # for N: the step-time model sees each shape one step late, which only matters
+            # where the shape changes.
             core.observe(batch, result, context, started)
         return outputs
 
