@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from kvfleet.runtime.engine.request import Request, TokenLogprob
 from kvfleet.runtime.engine.sampler import sample_isolated
-from kvfleet.runtime.engine.transfers import DeferredTokens
+from kvfleet.runtime.engine.transfers import DeferredTokens, to_device
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore
@@ -111,7 +112,7 @@ class AsyncSteps:
         logits = result.logits
         argmax = result.argmax
         if len(live) < len(result.sample_rows):  # some ended as the step before was read
-            logits = logits[live]
+            logits = logits.index_select(0, to_device(live, torch.long, logits.device))
             argmax = [argmax[i] for i in live] if argmax is not None else None
         try:
             tokens, logprobs = core.sampler.sample(logits, rows, argmax)

@@ -141,7 +141,7 @@ class Sampler:
                 if not p.ignore_eos:
                     banned.extend(r.eos_token_ids)
                 if banned:
-                    logits[i, banned] = float("-inf")
+                    logits[i, to_device(banned, torch.long, dev)] = float("-inf")
         return logits
 
     def _sample(

@@ -83,10 +83,20 @@ def test_a_decode_step_is_launched_and_sampled_without_a_host_sync():
         def greedy_rows(args) -> bool:
             return all(r.params.greedy for r in args[1])
 
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        first = llm.generate(PROMPTS[:8], params)
+        # Each stops on its 4th token, which is read while the next step runs: that step's
+        # rows for it are dropped before sampling.
+        stops = [
+            SamplingParams(max_tokens=32, temperature=0, min_tokens=2,
+                           stop_token_ids=[o.outputs[0].token_ids[3]])
+            for o in first
+        ]  # fmt: skip
         core.launch = strict(launch, decode_batch)
         core.sampler.sample = strict(sample, greedy_rows)
-        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         llm.generate(PROMPTS[:8], params)
+        stopped = llm.generate(PROMPTS[:8], stops)
+        assert any(o.outputs[0].finish_reason == "stop" for o in stopped)
         assert checked.count("launch") > 20 and checked.count("sample") > 20
     finally:
         _release(llm)

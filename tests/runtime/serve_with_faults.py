@@ -32,10 +32,10 @@ def _install() -> None:
     sample = sampler.Sampler.__call__
     encode = input_processor.InputProcessor.encode
 
-    def failing_execute(self, batch):  # type: ignore[no-untyped-def]
+    def failing_execute(self, batch, previous=None):  # type: ignore[no-untyped-def]
         if any(FAULT_TOKEN in r.prompt_token_ids for r in batch.requests):
             raise RuntimeError("injected forward-pass fault")
-        return execute(self, batch)
+        return execute(self, batch, previous)
 
     def failing_sample(self, logits, requests, argmax=None):  # type: ignore[no-untyped-def]
         if any(SAMPLER_FAULT in r.params.stop for r in requests):

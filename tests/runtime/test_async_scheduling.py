@@ -192,6 +192,43 @@ def test_an_abort_while_its_token_is_in_flight_frees_its_blocks(llm):
         assert ids == expected[int(rid[1:])][0][0]
 
 
+class _FaultySampler:
+    """The engine's sampler, raising for any batch that holds a request with stop string
+    FAULT (which the tiny model never writes)."""
+
+    FAULT = "\x00sampler fault\x00"
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def sample(self, logits, requests, argmax=None, drafts=None):
+        if any(self.FAULT in r.params.stop for r in requests):
+            raise RuntimeError("injected sampler fault")
+        return self.real.sample(logits, requests, argmax, drafts)
+
+    def __call__(self, logits, requests, argmax=None, drafts=None):
+        tokens, logprobs = self.sample(logits, requests, argmax, drafts)
+        return (tokens if isinstance(tokens, list) else tokens.tolist()), logprobs
+
+
+def test_a_sampling_fault_fails_that_request_only(llm, monkeypatch):
+    core = llm.engine.core
+    prompts = _prompts()[:3]
+    good = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    bad = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[_FaultySampler.FAULT], n=2
+    )
+    alone = _run(llm, prompts[::2], good, in_flight=False)
+    monkeypatch.setattr(core, "sampler", _FaultySampler(core.sampler))
+    core.pipeline = AsyncSteps(core)
+    outs = llm.generate(prompts, [good, bad, good])
+    got = [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids]
+    assert got == [o[0][0] for o in alone]
+    assert "injected sampler fault" in outs[1].error
+    assert [c.finish_reason for c in outs[1].outputs] == ["error", "error"]
+    assert core.kv.num_free_blocks == core.kv.num_blocks and not core.has_unfinished()
+
+
 @settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
