@@ -23,9 +23,7 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     queues behind the stream's work instead of waiting for it."""
     if device.type != "cuda":
         return host
-    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    pinned.copy_(host)
-    return pinned.to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class DeferredTokens:
