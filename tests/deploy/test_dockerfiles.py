@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass, field
-from importlib.metadata import packages_distributions
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -163,7 +163,7 @@ def requirements(installs: list[list[str]]) -> tuple[dict[str, Requirement], lis
 def third_party_imports(*folders: str, files: tuple[str, ...] = ()) -> dict[str, set[str]]:
     """Distribution name -> the .py files that import it, for every non-stdlib, non-kvfleet
     import (function-local ones too) in the given folders and their sub-folders."""
-    dists = packages_distributions()
+    dists = metadata.packages_distributions()
     found: dict[str, set[str]] = {}
     paths = [p for folder in folders for p in (ROOT / folder).rglob("*.py")]
     paths += [ROOT / f for f in files]
@@ -265,11 +265,24 @@ def test_gpu_image_pins_the_torch_and_triton_of_the_gpu_figures_and_a_c_compiler
     assert later and all(" -c " in line or "--no-deps" in line for line in later)
 
 
-def test_cpu_image_installs_the_cpu_torch_and_pins_no_triton() -> None:
-    reqs, _ = requirements(RUNTIME_CPU.pip_installs())
+def test_cpu_image_installs_the_cpu_torch_and_no_triton() -> None:
+    installs = RUNTIME_CPU.pip_installs()
+    reqs, _ = requirements(installs)
     env, args = RUNTIME_CPU.install_script_call() or ({}, [])
     assert args[0] == "cpu" and env["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert "torch" in reqs and "triton" not in reqs
+    # xgrammar is the one dependency that pulls Triton: the image installs it without its
+    # dependencies, and every other one of them by name.
+    with_deps = [words for words in installs if "--no-deps" not in words]
+    assert "xgrammar" in reqs and "xgrammar" not in requirements(with_deps)[0]
+    needed = {
+        canonicalize_name(req.name)
+        for req in map(Requirement, metadata.requires("xgrammar") or [])
+        if req.marker is None or req.marker.evaluate({"extra": ""})
+    }
+    assert "triton" in needed, "xgrammar no longer needs Triton: install it with its deps"
+    missing = needed - {"triton"} - reqs.keys()
+    assert not missing, f"the CPU image lacks xgrammar's requirements {sorted(missing)}"
     lines = RUNTIME_CPU.install_script_dry_run(compiler=False)
     assert "+ apt-get install -y --no-install-recommends gcc libc6-dev" in lines
 
