@@ -12,12 +12,11 @@ quantized rows alike).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from kvfleet.kernels.quant_weight import QuantizedWeight
 from kvfleet.runtime.models.errors import ModelLoadError
+from kvfleet.runtime.models.gguf_index import GGUFIndex
 
 # GGUF tensor names per Hugging Face module, for the Llama-family layers.
 _LAYER_NAMES = {
@@ -55,14 +54,11 @@ def _rows_unpermuted(rows: int, heads: int) -> np.ndarray:
 class GGUFWeights:
     """Reads a GGUF file's weights by Hugging Face module name."""
 
-    def __init__(self, path: Path, architecture: str, num_heads: int, num_kv_heads: int) -> None:
-        from gguf import GGUFReader
-
-        self.path = path
-        self._reader = GGUFReader(str(path), "r")
-        self._tensors = {t.name: t for t in self._reader.tensors}
+    def __init__(self, index: GGUFIndex, num_heads: int, num_kv_heads: int) -> None:
+        self.path = index.path
+        self._tensors = index.tensors
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
-        self._permuted = architecture == "llama"
+        self._permuted = index.architecture == "llama"
 
     def projection(self, module: str, out_f: int, in_f: int) -> QuantizedWeight | torch.Tensor:
         """Module's [out_f, in_f] weight: quantized where its type is one of KEPT_TYPES, else
@@ -71,7 +67,7 @@ class GGUFWeights:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"model: {self.path.name} lacks the tensor {name!r}")
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
         if shape != (out_f, in_f):
             raise ModelLoadError(
                 f"model: {self.path.name}'s {name} has shape {shape}, config implies "

@@ -26,6 +26,7 @@ from kvfleet.kernels.quant_weight import QuantizedWeight
 from kvfleet.runtime.models import hub
 from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
 from kvfleet.runtime.models.errors import ModelLoadError
+from kvfleet.runtime.models.gguf_index import read_gguf_index
 from kvfleet.runtime.models.gguf_weights import GGUFWeights
 from kvfleet.runtime.models.llama import LlamaModel
 from kvfleet.runtime.models.quant_loader import Part, QuantizedSource
@@ -104,16 +105,7 @@ def bundled_gguf_path() -> Path:
 
 def gguf_architecture(path: Path) -> str:
     """`general.architecture` of a GGUF file, read from its header."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as e:  # gguf raises ValueError/struct errors of its own on garbage
-        raise ModelLoadError(f"model: {path} is not a readable GGUF file ({e})") from None
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ModelLoadError(f"model: {path} has no general.architecture field")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return read_gguf_index(path).architecture
 
 
 # Bytes hashed from each end of a GGUF file to name its conversion: its header (metadata,
@@ -253,8 +245,7 @@ def load_weights(
             )
         gguf = None
         if gguf_path is not None:
-            gguf = GGUFWeights(gguf_path, gguf_architecture(gguf_path), cfg.num_heads,
-                               cfg.num_kv_heads)  # fmt: skip
+            gguf = GGUFWeights(read_gguf_index(gguf_path), cfg.num_heads, cfg.num_kv_heads)
 
         def fetch(name: str) -> torch.Tensor | None:
             handle = where.get(name)
