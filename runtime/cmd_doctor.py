@@ -121,10 +121,14 @@ def serving_problem(device: str, kernel_backend: str) -> str | None:
     Triton's launchers. None on CPU, and when all is well."""
     if device == "cpu":
         return None
+    # auto on a machine without an NVIDIA driver: the CPU serves. Asked of the driver, not of
+    # torch: a CPU server then starts its core without importing torch first (1-2 s).
+    if not device.startswith("cuda") and cuda_driver_version() is None:
+        return None
     import torch
 
     if not (device.startswith("cuda") or torch.cuda.is_available()):
-        return None  # auto on a machine without a GPU: the CPU serves
+        return None  # auto with a driver but no usable GPU (or a CPU build of torch)
     problem = driver_problem(torch.version.cuda, cuda_driver_version())
     if problem is not None:
         return f"driver: {problem}"

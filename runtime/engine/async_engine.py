@@ -74,19 +74,25 @@ class AsyncEngine:
         """Start the core process and load the tokenizer; return once the core has passed its
         warm-up generation. Re-raises a load error."""
         from kvfleet.runtime.engine.core_client import STOP_TIMEOUT_S, CoreClient
-        from kvfleet.runtime.engine.llm_engine import load_engine_tokenizer, preload_tokenizer_code
+        from kvfleet.runtime.engine.engine_tokenizer import (
+            load_engine_tokenizer,
+            preload_tokenizer_code,
+        )
 
-        if self.config.tokenizer:  # a wrong --tokenizer fails before the weights load
-            from kvfleet.runtime.models.loader import resolve_tokenizer
-
-            await asyncio.to_thread(resolve_tokenizer, self.config.tokenizer)
+        # The core first, before anything here imports torch: its load then runs beside this
+        # process's imports rather than after them.
         self._client = CoreClient(self.config)
+        core = asyncio.ensure_future(self._client.start())
         # While the core process loads the model (on the other cores): the tokenizer's code,
         # then the grammar engine (a first structured-output request would otherwise import
         # it on the event loop). One thread: transformers' lazy imports are not thread-safe.
         preloads = asyncio.ensure_future(asyncio.to_thread(_preload, preload_tokenizer_code))
         try:
-            self.info, self.stats = await self._client.start()
+            if self.config.tokenizer:  # a wrong --tokenizer stops the model's load
+                from kvfleet.runtime.models.loader import resolve_tokenizer
+
+                await asyncio.to_thread(resolve_tokenizer, self.config.tokenizer)
+            self.info, self.stats = await core
             await preloads
             tokenizer = await asyncio.to_thread(
                 load_engine_tokenizer, self.config, self.info.model_folder
@@ -95,6 +101,9 @@ class AsyncEngine:
             # Cancelled (a signal while loading) or failed: a core still loading reads no
             # messages, so it is not asked to stop but killed.
             loading = isinstance(exc, asyncio.CancelledError) or self.info is None
+            core.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await core  # its error, if it is what failed, is `exc`
             preloads.cancel()  # its threads end on their own; nobody waits for them
             await self._client.stop(timeout=0 if loading else STOP_TIMEOUT_S)
             self._client = None

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.request import Request
 from kvfleet.runtime.engine.sampler import sample_isolated
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 from kvfleet.runtime.engine.transfers import DeferredTokens, to_device
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from kvfleet.runtime.engine.kv_budget import engine_kv_budget, kv_blocks
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.engine.lora_slots import LoraSlots
 from kvfleet.runtime.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_token
-from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.request import Request
 from kvfleet.runtime.engine.sampler import Sampler, sample_isolated
 from kvfleet.runtime.engine.scheduler import ScheduledBatch, Scheduler, scheduler_config
 from kvfleet.runtime.engine.speculator import (
@@ -41,6 +41,7 @@ from kvfleet.runtime.engine.speculator import (
 )
 from kvfleet.runtime.engine.step_log import StepLog
 from kvfleet.runtime.engine.step_time import StepTimeModel
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 from kvfleet.runtime.engine.tp_start import start_tensor_parallel
 from kvfleet.runtime.engine.tp_workers import TPWorkers, threads_per_rank, usable_cores
 from kvfleet.runtime.engine.transfers import DeferredTokens
@@ -143,9 +144,8 @@ class EngineCore:
         self._compiling = CompilingRequests(self.grammars)
         self.counters = EngineCounters()
         self.step_log = StepLog(config.step_log) if config.step_log else None  # --step-log
-        # Sequences sent out since their last output, by id: the step's outputs are built from
-        # these, holding only what is new.
-        self._sent: dict[str, int] = {}  # request id → output tokens already reported
+        # Output tokens already reported, by request id: a step's outputs hold only what is new.
+        self._sent: dict[str, int] = {}
         log.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.2f GiB, %s), max_model_len %d",
             config.model,
@@ -161,7 +161,7 @@ class EngineCore:
     def _load_tokenizer(self) -> object:
         """The model's tokenizer, for the grammar compiler's view of the vocabulary (the core
         needs it for nothing else)."""
-        from kvfleet.runtime.engine.llm_engine import load_engine_tokenizer
+        from kvfleet.runtime.engine.engine_tokenizer import load_engine_tokenizer
 
         folder = str(self.model_folder) if self.model_folder is not None else None
         return load_engine_tokenizer(self.config, folder)

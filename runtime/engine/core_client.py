@@ -82,10 +82,11 @@ class CoreClient:
         exited = asyncio.ensure_future(self._exited())
         try:
             await asyncio.wait({received, exited}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # cancelled too (a signal while loading): no receive is left pending
             exited.cancel()
-        if not received.done():
-            received.cancel()
+            if not received.done():
+                received.cancel()
+        if received.cancelled():
             raise CoreLoadError(f"the engine core exited with code {self._process.exitcode}")
         message = self._decoder.decode(received.result())
         if isinstance(message, LoadFailed):

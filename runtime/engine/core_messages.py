@@ -10,8 +10,8 @@ cycles: a step's message for 256 requests encodes and decodes in tens of microse
 from __future__ import annotations
 
 import msgspec
-from kvfleet.runtime.engine.request import TokenLogprob
 from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 
 
 def failure_message(exc: BaseException) -> str:

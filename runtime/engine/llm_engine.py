@@ -8,13 +8,13 @@ returns each touched request's cumulative `RequestOutput` (what `LLM.generate` g
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.runtime.engine.config import EngineConfig
 from kvfleet.runtime.engine.core import EngineCore
+from kvfleet.runtime.engine.engine_tokenizer import load_engine_tokenizer
 from kvfleet.runtime.engine.input_processor import InputProcessor
 from kvfleet.runtime.engine.lora_request import LoRARequest
 from kvfleet.runtime.engine.output_processor import (
@@ -25,35 +25,6 @@ from kvfleet.runtime.engine.output_processor import (
 from kvfleet.runtime.engine.request import CompletionOutput, RequestOutput
 from kvfleet.runtime.engine.request_limits import RequestError
 from kvfleet.runtime.engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
-
-
-def load_engine_tokenizer(config: EngineConfig, model_folder: str | None) -> Any:
-    """The tokenizer a core's model needs: --tokenizer, else the model's own folder, else the
-    model value (random:* models get the bundled one); with --chat-template's template."""
-    from kvfleet.runtime.models.loader import load_tokenizer, resolve_tokenizer
-
-    if config.tokenizer:
-        tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer))
-    else:
-        tokenizer = load_tokenizer(model_folder if model_folder is not None else config.model)
-    if config.chat_template is not None:
-        tokenizer.chat_template = config.chat_template
-    return tokenizer
-
-
-def preload_tokenizer_code() -> None:
-    """Import what a tokenizer's first load pulls in: transformers' auto classes read the
-    model's config, and its config module imports torch.distributed and more (2-3 s on a
-    2-core host). A server does this while its core process loads the model."""
-    import importlib
-
-    for name in ("transformers.models.auto.tokenization_auto", "transformers.activations"):
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another transformers layout: the first load imports what it needs
-            log.debug("could not preload %s", name, exc_info=True)
 
 
 @dataclass(slots=True)

@@ -12,8 +12,9 @@ from kvfleet.kernels import dispatch
 from kvfleet.kernels.metadata import AttentionMetadata, LoraMapping
 from kvfleet.runtime.engine.decode_graphs import DecodeGraphs
 from kvfleet.runtime.engine.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.request import Request
 from kvfleet.runtime.engine.scheduler import ScheduledBatch
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 from kvfleet.runtime.engine.transfers import DeferredTokens, TokenFills, to_device, upload
 from kvfleet.runtime.models.config import ModelConfig
 

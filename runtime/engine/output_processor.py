@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from kvfleet.runtime.engine.core_messages import CoreRequest, SequenceOutput, failure_message
 from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.engine.request import TokenLogprob
 from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 
 log = logging.getLogger(__name__)
 

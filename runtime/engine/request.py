@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.grammar_matchers import SequenceGrammar
@@ -19,15 +20,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """The sampled token's log-probability and the top alternatives (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)

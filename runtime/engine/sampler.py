@@ -19,7 +19,8 @@ import logging
 import torch
 from kvfleet.kernels import dispatch
 from kvfleet.runtime.engine.grammar_matchers import TokenBitmask
-from kvfleet.runtime.engine.request import Request, TokenLogprob
+from kvfleet.runtime.engine.request import Request
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 from kvfleet.runtime.engine.transfers import to_device, upload
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvfleet.runtime.engine.ngram_proposer import propose_ngram
-from kvfleet.runtime.engine.request import Request, RequestStatus, TokenLogprob
+from kvfleet.runtime.engine.request import Request, RequestStatus
 from kvfleet.runtime.engine.speculative_config import SpeculativeConfig
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.core import EngineCore

@@ -17,7 +17,7 @@ from kvfleet.runtime.server.errors import APIError, api_error
 if TYPE_CHECKING:
     from kvfleet.runtime.engine.async_engine import AsyncEngine
     from kvfleet.runtime.engine.core_messages import CoreRequest
-    from kvfleet.runtime.engine.request import TokenLogprob
+    from kvfleet.runtime.engine.token_logprob import TokenLogprob
     from kvfleet.runtime.server.tool_calls.chat_reply import ToolCallReply
 
     ReplyFactory = Callable[[], ToolCallReply]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.runtime.engine.output_processor import CompletionDelta
-from kvfleet.runtime.engine.request import TokenLogprob
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 
 # JSON has no -Infinity: a token the sampler could never pick is reported as this (as vLLM does).
 LOGPROB_FLOOR = -9999.0

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvfleet.runtime.cli import main
 from kvfleet.runtime.engine.core_messages import CoreRequest, SequenceOutput
 from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestDelta
-from kvfleet.runtime.engine.request import TokenLogprob
 from kvfleet.runtime.engine.sampling_params import SamplingParams
+from kvfleet.runtime.engine.token_logprob import TokenLogprob
 from server_fixtures import running_server
 
 

@@ -1,0 +1,79 @@
+"""`kvfleet serve` starts its engine core before it imports torch: the server's own imports and
+tokenizer (seconds on 2 cores) then load beside the core's model instead of before it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from import_graph import ROOT
+from kvfleet.runtime.cmd_doctor import cuda_driver_version
+
+# What runs in the server process up to the core's start: these functions, up to the line
+# that makes the CoreClient (which starts it) where they make one.
+BEFORE_THE_CORE = {
+    "runtime/server/cmd_serve.py": ("run", "_serve"),
+    "runtime/engine/async_engine.py": ("start",),
+}
+
+
+def imports_before_the_core(path: str, functions: tuple[str, ...]) -> set[str]:
+    found = set()
+    for fn in ast.walk(ast.parse((ROOT / path).read_text())):
+        if not (isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and fn.name in functions):
+            continue
+        starts = [
+            node.lineno
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "CoreClient"
+        ]
+        until = min(starts, default=fn.end_lineno or fn.lineno)
+        found |= {
+            node.module
+            for node in ast.walk(fn)
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            if node.lineno < until
+        }
+    assert found, f"no imports found in {path}'s {functions}"
+    return found
+
+
+@pytest.mark.skipif(cuda_driver_version() is not None, reason="an NVIDIA driver: torch decides")
+def test_a_cpu_server_reaches_its_core_start_without_importing_torch() -> None:
+    modules = sorted(
+        {"kvfleet.runtime.cli"}
+        | {m for path, fns in BEFORE_THE_CORE.items() for m in imports_before_the_core(path, fns)}
+    )
+    assert "kvfleet.runtime.engine.core_client" in modules  # what starts the core
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "from kvfleet.runtime.cli import build_parser\n"
+        "from kvfleet.runtime.cmd_doctor import serving_problem\n"
+        "from kvfleet.runtime.engine.engine_args import engine_config_from_args\n"
+        "args = build_parser().parse_args(['serve', '--model', 'random:tiny'])\n"
+        "config = engine_config_from_args(args)\n"
+        "assert config.device == 'auto', config.device\n"
+        "assert serving_problem(config.device, config.kernel_policy.backend) is None\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_wrong_tokenizer_stops_the_load_and_names_the_field(tmp_path) -> None:
+    # Checked while the core loads (no longer before it starts): the load is stopped and the
+    # server exits 1 with the field and what it accepts.
+    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--model", "random:tiny",
+           "--tokenizer", str(tmp_path / "nowhere"), "--host", "127.0.0.1", "--port", "0",
+           "--kv-cache-memory", "64MiB"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"could not load the model: tokenizer: '{tmp_path / 'nowhere'}' does not exist" in (
+        done.stderr
+    )
