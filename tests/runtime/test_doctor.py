@@ -125,6 +125,10 @@ def test_serves_start_up_check_is_quiet_where_nothing_is_missing(monkeypatch, tm
     assert cmd_doctor.serving_problem("auto", "auto") is None  # no GPU here: the CPU serves
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # Without a driver, auto is the CPU before torch is asked (and imported) at all.
+    monkeypatch.setattr(cmd_doctor, "cuda_driver_version", lambda: None)
+    assert cmd_doctor.serving_problem("auto", "auto") is None
+    monkeypatch.setattr(cmd_doctor, "cuda_driver_version", lambda: "13.0")
     assert "c compiler: none found" in cmd_doctor.serving_problem("auto", "auto")
     # The torch backend launches no Triton kernel: no compiler needed.
     assert cmd_doctor.serving_problem("cuda", "torch") is None
