@@ -123,13 +123,14 @@ def serving_problem(device: str, kernel_backend: str) -> str | None:
         return None
     # auto on a machine without an NVIDIA driver: the CPU serves. Asked of the driver, not of
     # torch: a CPU server then starts its core without importing torch first (1-2 s).
-    if not device.startswith("cuda") and cuda_driver_version() is None:
+    driver = cuda_driver_version()
+    if not device.startswith("cuda") and driver is None:
         return None
     import torch
 
     if not (device.startswith("cuda") or torch.cuda.is_available()):
         return None  # auto with a driver but no usable GPU (or a CPU build of torch)
-    problem = driver_problem(torch.version.cuda, cuda_driver_version())
+    problem = driver_problem(torch.version.cuda, driver)
     if problem is not None:
         return f"driver: {problem}"
     compiler = compiler_finding(gpu=kernel_backend != "torch")  # the torch backend runs no Triton

@@ -5,6 +5,8 @@ resolved), for the tests that hold the folders to their boundaries (docs/archite
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,19 @@ def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
 
 def is_within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
+
+
+def import_with_unimportable(blocked: tuple[str, ...], modules: list[str], then: str = "") -> None:
+    """Import `modules` in a fresh interpreter where importing any of `blocked` raises, then run
+    the code `then` there; fail with its traceback if anything raised."""
+    code = (
+        "import importlib, sys\n"
+        f"for m in {blocked!r}:\n"
+        "    sys.modules[m] = None\n"  # importing it now raises ImportError
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n" + then
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

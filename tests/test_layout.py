@@ -7,13 +7,11 @@ pyproject ships every package, with the C sources."""
 from __future__ import annotations
 
 import fnmatch
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from import_graph import ROOT, imported_modules, is_within, package_of
+from import_graph import ROOT, import_with_unimportable, imported_modules, is_within, package_of
 
 # What kvfleet.devcluster needs beyond the operator's dependencies (pyproject's `dev` extra):
 # never imported by what runs in a cluster.
@@ -73,17 +71,11 @@ def test_every_runtime_module_imports_with_kopf_and_kubernetes_unimportable():
         package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
         for p in (ROOT / "runtime").rglob("*.py")
     )
-    code = (
-        "import importlib, sys\n"
-        "sys.modules['kopf'] = sys.modules['kubernetes'] = None\n"  # importing them now raises
-        f"for m in {modules!r}:\n"
-        "    importlib.import_module(m)\n"
-        "assert not any(m.startswith('kvfleet.operator') for m in sys.modules)\n"
+    import_with_unimportable(
+        ("kopf", "kubernetes"),
+        modules,
+        then="assert not any(m.startswith('kvfleet.operator') for m in sys.modules)\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert result.returncode == 0, result.stderr
     assert "kvfleet.runtime.engine.llm_engine" in modules
     assert "kvfleet.runtime.server.app" in modules
 
@@ -103,20 +95,13 @@ def test_every_router_module_imports_with_torch_unimportable():
         package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
         for p in (ROOT / "runtime/router").rglob("*.py")
     )
-    code = (
-        "import importlib, sys\n"
-        "for m in ('torch', 'transformers', 'kopf', 'kubernetes'):\n"
-        "    sys.modules[m] = None\n"  # importing them now raises
-        f"for m in {modules!r}:\n"
-        "    importlib.import_module(m)\n"
-        "bad = [m for m in sys.modules if m.startswith(('kvfleet.runtime.engine', "
+    import_with_unimportable(
+        ("torch", "transformers", "kopf", "kubernetes"),
+        modules,
+        then="bad = [m for m in sys.modules if m.startswith(('kvfleet.runtime.engine', "
         "'kvfleet.runtime.models', 'kvfleet.operator'))]\n"
-        "assert not bad, bad\n"
+        "assert not bad, bad\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert result.returncode == 0, result.stderr
     assert "kvfleet.runtime.router.app" in modules
 
 
@@ -125,19 +110,12 @@ def test_every_operator_module_imports_with_the_dev_extra_unimportable():
         package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
         for p in (ROOT / "operator").rglob("*.py")
     )
-    code = (
-        "import importlib, sys\n"
-        f"for m in {DEV_ONLY!r}:\n"
-        "    sys.modules[m] = None\n"  # importing them now raises
-        f"for m in {modules!r}:\n"
-        "    importlib.import_module(m)\n"
-        "bad = [m for m in sys.modules if m.startswith('kvfleet.devcluster')]\n"
-        "assert not bad, bad\n"
+    import_with_unimportable(
+        DEV_ONLY,
+        modules,
+        then="bad = [m for m in sys.modules if m.startswith('kvfleet.devcluster')]\n"
+        "assert not bad, bad\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert result.returncode == 0, result.stderr
     assert "kvfleet.operator.handlers" in modules
 
 
@@ -146,20 +124,13 @@ def test_every_devcluster_module_imports_with_torch_unimportable():
         package_of(p.parent) + ("" if p.stem == "__init__" else f".{p.stem}")
         for p in (ROOT / "devcluster").rglob("*.py")
     )
-    code = (
-        "import importlib, sys\n"
-        "for m in ('torch', 'triton', 'transformers'):\n"
-        "    sys.modules[m] = None\n"  # importing them now raises
-        f"for m in {modules!r}:\n"
-        "    importlib.import_module(m)\n"
-        "bad = [m for m in sys.modules if m.split('.')[:2] in (['kvfleet', 'runtime'], "
+    import_with_unimportable(
+        ("torch", "triton", "transformers"),
+        modules,
+        then="bad = [m for m in sys.modules if m.split('.')[:2] in (['kvfleet', 'runtime'], "
         "['kvfleet', 'kernels'])]\n"
-        "assert not bad, bad\n"
+        "assert not bad, bad\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert result.returncode == 0, result.stderr
     assert "kvfleet.devcluster.apiserver.emulator" in modules
 
 
