@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         if hub.is_hub_id(args.model):
             folder = hub.download_model(args.model, args.revision, args.hf_token)
         else:  # converting a GGUF needs torch and transformers: only then are they loaded
-            from kvfleet.runtime.models.loader import resolve_model
+            from kvfleet.runtime.models.model_files import resolve_model
 
             folder = resolve_model(args.model)
     except ModelLoadError as exc:

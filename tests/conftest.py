@@ -15,7 +15,7 @@ from tiny_models import make_tiny_model
 @pytest.fixture(scope="session")
 def bundled_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted to a safetensors folder (cached)."""
-    from kvfleet.runtime.models.loader import resolve_model
+    from kvfleet.runtime.models.model_files import resolve_model
 
     return resolve_model("bundled")
 

@@ -27,7 +27,7 @@ def make_tiny_model(path: Path | str, arch: str = "llama", seed: int = 0, **over
     """Write a tiny random `arch` ("llama": untied; "qwen2": tied, q/k/v biases) model to
     `path`: hidden 64, 4 heads, 2 KV heads, vocab 49152, float32. `overrides` go to the
     transformers config (e.g. rope_scaling, num_hidden_layers, tie_word_embeddings)."""
-    from kvfleet.runtime.models.loader import resolve_model
+    from kvfleet.runtime.models.model_files import resolve_model
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if arch not in ARCH_DEFAULTS:

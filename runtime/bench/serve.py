@@ -207,7 +207,7 @@ async def _structured_cost(
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet.runtime.models.loader import load_tokenizer, resolve_tokenizer
+    from kvfleet.runtime.models.tokenizer_loader import load_tokenizer, resolve_tokenizer
 
     # The prompts are token ids: they must come from the tokenizer the server will use.
     tokenizer = load_tokenizer(resolve_tokenizer(args.tokenizer) if args.tokenizer else args.model)

@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from kvfleet.runtime.engine.core_messages import (
     AbortRequests,
@@ -76,27 +76,27 @@ class AsyncEngine:
         from kvfleet.runtime.engine.core_client import STOP_TIMEOUT_S, CoreClient
         from kvfleet.runtime.engine.engine_tokenizer import (
             load_engine_tokenizer,
-            preload_tokenizer_code,
+            tokenizer_known_ahead,
         )
 
         # The core first, before anything here imports torch: its load then runs beside this
         # process's imports rather than after them.
         self._client = CoreClient(self.config)
         core = asyncio.ensure_future(self._client.start())
-        # While the core process loads the model (on the other cores): the tokenizer's code,
-        # then the grammar engine (a first structured-output request would otherwise import
-        # it on the event loop). One thread: transformers' lazy imports are not thread-safe.
-        preloads = asyncio.ensure_future(asyncio.to_thread(_preload, preload_tokenizer_code))
+        # While the core process loads the model (on the other cores): the tokenizer where its
+        # folder is known (a wrong --tokenizer then stops the load), else its code; then the
+        # grammar engine (a first structured-output request would otherwise import it on the
+        # event loop). One thread: transformers' lazy imports are not thread-safe.
+        ahead = tokenizer_known_ahead(self.config)
+        preloads = asyncio.ensure_future(asyncio.to_thread(_preload, self.config, ahead))
         try:
-            if self.config.tokenizer:  # a wrong --tokenizer stops the model's load
-                from kvfleet.runtime.models.loader import resolve_tokenizer
-
-                await asyncio.to_thread(resolve_tokenizer, self.config.tokenizer)
+            tokenizer = await preloads if ahead else None
             self.info, self.stats = await core
-            await preloads
-            tokenizer = await asyncio.to_thread(
-                load_engine_tokenizer, self.config, self.info.model_folder
-            )
+            if tokenizer is None:
+                await preloads
+                tokenizer = await asyncio.to_thread(
+                    load_engine_tokenizer, self.config, self.info.model_folder
+                )
         except BaseException as exc:
             # Cancelled (a signal while loading) or failed: a core still loading reads no
             # messages, so it is not asked to stop but killed.
@@ -233,6 +233,18 @@ class AsyncEngine:
                 answer.set_exception(exc)
 
 
-def _preload(preload_tokenizer_code: Callable[[], None]) -> None:
-    preload_tokenizer_code()
+def _preload(config: EngineConfig, load_tokenizer: bool) -> Any:
+    """The tokenizer if `load_tokenizer`, else None with its code imported; then the grammar
+    engine imported."""
+    from kvfleet.runtime.engine.engine_tokenizer import (
+        load_engine_tokenizer,
+        preload_tokenizer_code,
+    )
+
+    tokenizer = None
+    if load_tokenizer:
+        tokenizer = load_engine_tokenizer(config, None)
+    else:
+        preload_tokenizer_code(config)
     warm_grammar_engine()
+    return tokenizer

@@ -79,7 +79,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, observer: SequenceObserver | None = None) -> None:
         if config.tokenizer:
-            from kvfleet.runtime.models.loader import resolve_tokenizer
+            from kvfleet.runtime.models.tokenizer_loader import resolve_tokenizer
 
             resolve_tokenizer(config.tokenizer)  # a wrong --tokenizer fails before the weights
         self.config = config

@@ -41,12 +41,8 @@ def start_tensor_parallel(
     share of the memory left). `on_workers` receives the workers as soon as they exist, so that a
     failure after that point can close them."""
     import torch.distributed as dist
-    from kvfleet.runtime.models.loader import (
-        RANDOM_PREFIX,
-        load_model,
-        model_config_of,
-        resolve_model,
-    )
+    from kvfleet.runtime.models.loader import load_model, model_config_of
+    from kvfleet.runtime.models.model_files import RANDOM_PREFIX, resolve_model
     from kvfleet.runtime.models.shard_layout import check_tensor_parallel_size, shard_layout
     from kvfleet.runtime.models.tp_group import TPGroup
 

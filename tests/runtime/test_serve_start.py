@@ -71,3 +71,23 @@ def test_a_wrong_tokenizer_stops_the_load_and_names_the_field(tmp_path) -> None:
     assert f"could not load the model: tokenizer: '{tmp_path / 'nowhere'}' does not exist" in (
         done.stderr
     )
+
+
+def test_the_tokenizer_loads_beside_the_core_where_its_folder_is_known(tmp_path) -> None:
+    """A --tokenizer, a random:* model and a local folder name the tokenizer's folder before the
+    core has loaded anything; 'bundled', a .gguf file and a Hub id wait for the core, which
+    converts or downloads them."""
+    from kvfleet.runtime.engine.config import EngineConfig
+    from kvfleet.runtime.engine.engine_tokenizer import tokenizer_known_ahead
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    known = {
+        "random:tiny": True,
+        str(tmp_path): True,
+        "bundled": False,
+        str(gguf): False,
+        "HuggingFaceTB/SmolLM2-135M-Instruct": False,
+    }
+    assert {m: tokenizer_known_ahead(EngineConfig(model=m)) for m in known} == known
+    assert tokenizer_known_ahead(EngineConfig(model="bundled", tokenizer=str(tmp_path)))

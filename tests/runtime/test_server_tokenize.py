@@ -21,7 +21,7 @@ def model(tiny_llama_dir: Path) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir: Path):
-    from kvfleet.runtime.models.loader import load_tokenizer
+    from kvfleet.runtime.models.tokenizer_loader import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 
