@@ -174,7 +174,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return asyncio.run(_serve(args, config, key))
+    code = asyncio.run(_serve(args, config, key))
+    # Everything is stopped and its last words logged: skip the interpreter's teardown of
+    # torch's, xgrammar's and transformers' modules (half a second on 2 cores of every stop).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(args: argparse.Namespace, config: object, key: str | None) -> int:
