@@ -1,4 +1,4 @@
-"""`kvfleet bench {throughput,serve,latency,kernels,cpu-kernels,decode-step,gemm-rows,
+"""`kvfleet bench {throughput,serve,startup,latency,kernels,cpu-kernels,decode-step,gemm-rows,
 tensor-parallel}`: speed claims are measured, with their baseline in the same run. Each
 sub-command lives in its own module."""
 
@@ -9,6 +9,7 @@ import argparse
 BENCH_MODULES = (
     "kvfleet.runtime.bench.throughput",
     "kvfleet.runtime.bench.serve",
+    "kvfleet.runtime.bench.startup",
     "kvfleet.runtime.bench.latency",
     "kvfleet.kernels.bench.triton_kernels",
     "kvfleet.kernels.bench.cpu_kernels",
@@ -23,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, latency, kernels, cpu-kernels, decode-step, gemm-rows, "
+        help="benchmarks: throughput, serve, startup, latency, kernels, cpu-kernels, decode-step, gemm-rows, "
         "tensor-parallel",
         description="Measure kvfleet against a baseline in the same run.",
     )

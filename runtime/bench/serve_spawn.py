@@ -92,7 +92,6 @@ async def healthy_process(
     (RuntimeError naming `what` if it exits or `timeout` seconds pass first); yields its URL
     and process, and stops it (SIGTERM, then kill) on exit."""
     import asyncio
-    import signal
     import socket
 
     import aiohttp
@@ -117,12 +116,20 @@ async def healthy_process(
                 await asyncio.sleep(poll)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM (a server drains, then exits), then SIGKILL after `timeout` seconds; reaped."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.asynccontextmanager
