@@ -151,15 +151,20 @@ def build_flags() -> list[str]:
     return [*FLAGS, *MAX_ISA_FLAGS[isa]]
 
 
-def build() -> Path:
-    """The compiled library's path, building it unless a cached one matches. Raises
-    OSError/subprocess.CalledProcessError with the compiler's output on failure."""
+def library_path(flags: list[str]) -> Path:
+    """Where the library built from these sources with `flags` and this compiler is cached."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    flags = build_flags()
     digest.update(_compiler_version().encode() + " ".join(COMPILER + flags).encode())
-    target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    return _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The compiled library's path, building it unless a cached one matches. Raises
+    OSError/subprocess.CalledProcessError with the compiler's output on failure."""
+    flags = build_flags()
+    target = library_path(flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -219,12 +219,15 @@ def test_broken_compiler_falls_back_with_warning(monkeypatch, tmp_path, caplog):
 
 
 def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
-    """A second build of the same source reuses the file; different flags get a new one."""
+    """A second build of the same source reuses the file; different flags (or an ISA cap) get
+    a file of their own. Only the first is compiled: a build's file is `library_path`'s."""
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
     first = cpu_library.build()
     assert first.parent == tmp_path / "kernels" and first == cpu_library.build()
-    monkeypatch.setattr(cpu_library, "FLAGS", [*cpu_library.FLAGS, "-DKVFLEET_TEST=1"])
-    assert cpu_library.build() != first
+    assert first == cpu_library.library_path(cpu_library.build_flags())
+    assert cpu_library.library_path([*cpu_library.FLAGS, "-DKVFLEET_TEST=1"]) != first
+    monkeypatch.setenv("KVFLEET_CPU_MAX_ISA", "avx2")
+    assert cpu_library.library_path(cpu_library.build_flags()) != first
     assert not list(tmp_path.rglob("*.tmp"))
 
 
