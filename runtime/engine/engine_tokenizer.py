@@ -34,7 +34,11 @@ def tokenizer_known_ahead(config: EngineConfig) -> bool:
     from kvfleet.runtime.models.model_files import RANDOM_PREFIX
 
     model = config.model
-    return bool(config.tokenizer) or model.startswith(RANDOM_PREFIX) or Path(model).is_dir()
+    return (
+        bool(config.tokenizer)
+        or model.startswith(RANDOM_PREFIX)
+        or Path(model).expanduser().is_dir()
+    )
 
 
 def preload_tokenizer_code(config: EngineConfig) -> None:

@@ -73,7 +73,9 @@ def test_a_wrong_tokenizer_stops_the_load_and_names_the_field(tmp_path) -> None:
     )
 
 
-def test_the_tokenizer_loads_beside_the_core_where_its_folder_is_known(tmp_path) -> None:
+def test_the_tokenizer_loads_beside_the_core_where_its_folder_is_known(
+    tmp_path, monkeypatch
+) -> None:
     """A --tokenizer, a random:* model and a local folder name the tokenizer's folder before the
     core has loaded anything; 'bundled', a .gguf file and a Hub id wait for the core, which
     converts or downloads them."""
@@ -90,4 +92,6 @@ def test_the_tokenizer_loads_beside_the_core_where_its_folder_is_known(tmp_path)
         "HuggingFaceTB/SmolLM2-135M-Instruct": False,
     }
     assert {m: tokenizer_known_ahead(EngineConfig(model=m)) for m in known} == known
+    monkeypatch.setenv("HOME", str(tmp_path.parent))
+    assert tokenizer_known_ahead(EngineConfig(model=f"~/{tmp_path.name}"))
     assert tokenizer_known_ahead(EngineConfig(model="bundled", tokenizer=str(tmp_path)))
