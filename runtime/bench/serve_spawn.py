@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import IO
 
 from kvfleet.runtime.bench.process_cpu import descendants
 from kvfleet.runtime.engine.engine_args import add_engine_args
@@ -86,11 +87,16 @@ class SpawnedServer:
 
 @contextlib.asynccontextmanager
 async def healthy_process(
-    argv_for_port: Callable[[int], list[str]], what: str, timeout: float, poll: float
+    argv_for_port: Callable[[int], list[str]],
+    what: str,
+    timeout: float,
+    poll: float,
+    output: IO[bytes] | None = None,
 ) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
     """The command `argv_for_port(port)` on a free loopback port, once its /health answers 200
     (RuntimeError naming `what` if it exits or `timeout` seconds pass first); yields its URL
-    and process, and stops it (SIGTERM, then kill) on exit."""
+    and process, and stops it (SIGTERM, then kill) on exit. Its output goes to `output`
+    where given, else to this process's."""
     import asyncio
     import socket
 
@@ -99,7 +105,8 @@ async def healthy_process(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(argv_for_port(port))
+    stderr = subprocess.STDOUT if output is not None else None
+    proc = subprocess.Popen(argv_for_port(port), stdout=output, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

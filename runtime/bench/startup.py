@@ -14,11 +14,10 @@ with like.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 
-from kvfleet.runtime.bench.serve_spawn import engine_flags, stop_process
+from kvfleet.runtime.bench.serve_spawn import engine_flags, healthy_process
 from kvfleet.runtime.engine.engine_args import add_engine_args
 
 POLL_S = 0.05  # how often /health is asked: the resolution of `ready_s`
@@ -85,46 +84,26 @@ def baseline_argv(command: str, port: int) -> list[str]:
     return shlex.split(command.replace("{port}", str(port)))
 
 
-def time_start(argv_for_port: Callable[[int], list[str]], what: str, timeout: float) -> StartupRun:
+async def time_start(
+    argv_for_port: Callable[[int], list[str]], what: str, timeout: float
+) -> StartupRun:
     """Start the command on a free loopback port and time it to ready, to a first token and,
     after SIGTERM, to exit. StartupError, with the end of its log, where it fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv_for_port(port), stdout=log, stderr=subprocess.STDOUT)
         try:
-            ready = _wait_healthy(url, proc, start + timeout) - start
-            first_token = _first_token(url) - start
-        except StartupError as exc:
+            async with healthy_process(argv_for_port, what, timeout, POLL_S, log) as (url, _):
+                ready = time.perf_counter() - start
+                first_token = await asyncio.to_thread(_first_token, url, what) - start
+                stopping = time.perf_counter()
+        except RuntimeError as exc:  # healthy_process's, naming `what`, or _first_token's
             log.seek(0)
             tail = log.read().decode(errors="replace")[-2000:]
-            raise StartupError(f"{what}: {exc}\n{tail}") from None
-        finally:
-            stopping = time.perf_counter()
-            stop_process(proc)
+            raise StartupError(f"{exc}\n{tail}") from None
     return StartupRun(ready, first_token, time.perf_counter() - stopping)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float) -> float:
-    """When /health first answered 200."""
-    while True:
-        if proc.poll() is not None:
-            raise StartupError(f"exited {proc.returncode} before it was ready")
-        if time.perf_counter() > deadline:
-            raise StartupError("was not ready within --timeout")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return time.perf_counter()
-        except (urllib.error.URLError, OSError):
-            pass  # not listening yet, or 503 while the model loads
-        time.sleep(POLL_S)
-
-
-def _first_token(url: str) -> float:
+def _first_token(url: str, what: str) -> float:
     """When the first streamed chunk of a one-token completion arrived."""
     try:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as resp:
@@ -138,8 +117,8 @@ def _first_token(url: str) -> float:
                 if line.startswith(b"data: {"):
                     return time.perf_counter()
     except (urllib.error.URLError, OSError, ValueError, LookupError) as exc:
-        raise StartupError(f"its first completion failed: {exc}") from None
-    raise StartupError("its first completion streamed no chunk")
+        raise StartupError(f"{what}: its first completion failed: {exc}") from None
+    raise StartupError(f"{what}: its first completion streamed no chunk")
 
 
 def summarize(runs: list[StartupRun], baseline: list[StartupRun]) -> dict[str, object]:
@@ -177,11 +156,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i in range(args.runs):
             print(f"  start {i + 1}/{args.runs}", file=sys.stderr)
-            runs.append(time_start(partial(kvfleet_argv, args), "kvfleet serve", args.timeout))
+            start = time_start(partial(kvfleet_argv, args), "kvfleet serve", args.timeout)
+            runs.append(asyncio.run(start))
             if args.baseline_cmd is not None:
                 argv = partial(baseline_argv, args.baseline_cmd)
-                baseline.append(time_start(argv, "--baseline-cmd", args.timeout))
-    except StartupError as exc:
+                baseline.append(asyncio.run(time_start(argv, "--baseline-cmd", args.timeout)))
+    except RuntimeError as exc:
         print(f"kvfleet bench startup: error: {exc}", file=sys.stderr)
         return 1
     result = {"model": args.model, **summarize(runs, baseline)}
