@@ -25,7 +25,8 @@ from kvfleet import contract
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_MODEL_LEN = 128
+# Long enough that a stream of most of it outlasts a few /metrics scrapes on a busy host.
+MAX_MODEL_LEN = 1024
 MAX_BODY = 4096
 
 
@@ -110,8 +111,8 @@ def test_malformed_json_and_non_object_bodies_are_400(server):
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", [">= 1"]),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
         ({"prompt": [10**9]}, "prompt", ["token ids"]),
-        ({"prompt": "x", "max_tokens": 200}, "max_tokens", ["200", str(MAX_MODEL_LEN)]),
-        ({"prompt": "word " * 200}, "prompt", [str(MAX_MODEL_LEN)]),
+        ({"prompt": "x", "max_tokens": 2000}, "max_tokens", ["2000", str(MAX_MODEL_LEN)]),
+        ({"prompt": [5] * 1100}, "prompt", [str(MAX_MODEL_LEN)]),
     ],
 )
 def test_invalid_completion_requests_are_400_naming_the_field(server, model, body, param, words):
@@ -136,9 +137,9 @@ def test_invalid_completion_requests_are_400_naming_the_field(server, model, bod
             ["logprobs"],
         ),
         (
-            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500},
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2000},
             "max_tokens",
-            ["500", str(MAX_MODEL_LEN)],
+            ["2000", str(MAX_MODEL_LEN)],
         ),
     ],
 )
@@ -150,8 +151,8 @@ def test_invalid_chat_requests_are_400_naming_the_field(server, model, body, par
 def test_the_openai_client_sees_typed_errors(server, model):
     client = openai.OpenAI(base_url=server.api_url, api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model=model, prompt="x", max_tokens=1000)
-    assert "1000" in str(exc.value) and str(MAX_MODEL_LEN) in str(exc.value)
+        client.completions.create(model=model, prompt="x", max_tokens=2000)
+    assert "2000" in str(exc.value) and str(MAX_MODEL_LEN) in str(exc.value)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
 
@@ -193,7 +194,7 @@ def _open_stream(
 
 
 def test_back_pressure_503_and_queue_gauges_rise_and_fall(server, model):
-    first_conn, _ = _open_stream(server, model, 120)
+    first_conn, _ = _open_stream(server, model, MAX_MODEL_LEN - 8)
     wait_for_metric(server, contract.NUM_REQUESTS_RUNNING, lambda v: v == 1)
     _, second = _open_stream(server, model, 20)  # max-num-seqs 1: it waits
     wait_for_metric(server, contract.NUM_REQUESTS_WAITING, lambda v: v == 1)
