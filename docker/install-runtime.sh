@@ -100,7 +100,7 @@ run $PIP -c "$CONSTRAINTS" \
     "prometheus-client>=0.20" \
     "pyzmq>=25" \
     "msgspec>=0.18" \
-    "jsonschema>=4.20" \
+    "jsonschema-rs>=0.60" \
     "numpy>=1.26" \
     "pyyaml>=6" \
     "matplotlib>=3.8"

@@ -156,8 +156,7 @@ def _matches_nothing(grammar: Any) -> bool:
 def _check_schema(spec: str) -> None:
     """A schema must be a JSON object that is a valid JSON Schema and uses only what the
     grammar engine enforces."""
-    from jsonschema import SchemaError
-    from jsonschema.validators import validator_for
+    from kvfleet.runtime.engine.schema_check import schema_problem
 
     try:
         schema = json.loads(spec)
@@ -165,13 +164,12 @@ def _check_schema(spec: str) -> None:
         raise StructuredOutputError("json", f"is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise StructuredOutputError("json", "a JSON schema must be an object")
-    try:
-        validator_for(schema).check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path) or "the root"
+    problem = schema_problem(schema)
+    if problem is not None:
+        where = "/".join(str(p) for p in problem.path) or "the root"
         raise StructuredOutputError(
-            "json", f"is not a valid JSON Schema at {where}: {exc.message[:200]}"
-        ) from None
+            "json", f"is not a valid JSON Schema at {where}: {problem.message[:200]}"
+        )
     for path, keyword in _unenforced(schema, "#"):
         raise StructuredOutputError(
             "json",

@@ -142,7 +142,7 @@ def test_openais_limit_of_128_tools():
         (
             {"tools": [tool("f", parameters={"type": "object", "required": "city"})]},
             "tools[0].function.parameters",
-            "'city' is not of type 'array'",
+            '"city" is not of type "array"',
         ),
         ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", "got 'any'"),
         ({"tools": [WEATHER], "tool_choice": True}, "tool_choice", "got boolean"),

@@ -7,9 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
+from kvfleet.runtime.engine.schema_check import schema_problem
 from kvfleet.runtime.server.tool_calls.field_error import field_error, json_type
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -132,14 +130,11 @@ def _check_schema(schema: Any, where: str) -> None:
         raise field_error(
             f"{where}.$schema", f"must be a string, got {json_type(schema['$schema'])}"
         )
-    try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as e:
-        at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
-        reason = f"at {at.lstrip('.')}: {e.message}" if at else e.message
-        raise field_error(where, f"not a valid JSON schema: {_shorten(reason)}") from None
-    except RecursionError:
-        raise field_error(where, "not a valid JSON schema: nested too deeply") from None
+    problem = schema_problem(schema)
+    if problem is not None:
+        at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in problem.path)
+        reason = f"at {at.lstrip('.')}: {problem.message}" if at else problem.message
+        raise field_error(where, f"not a valid JSON schema: {_shorten(reason)}")
 
 
 def _choice(value: Any, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
