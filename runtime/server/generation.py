@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 from kvfleet.runtime.server import protocol as proto
 from kvfleet.runtime.server import responses
@@ -275,8 +276,8 @@ class _SSE:
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
-    async def _write(self, payload: str) -> None:
-        await self.response.write(f"data: {payload}\n\n".encode())
+    async def _write(self, payload: bytes) -> None:
+        await self.response.write(b"data: " + payload + b"\n\n")
 
     async def send(self, choices: list[dict[str, Any]]) -> None:
         chunk = {**self._base, "choices": choices}
@@ -284,21 +285,35 @@ class _SSE:
             chunk["usage"] = responses.usage(self.prompt_tokens, self.completion_tokens)
         elif self._include_usage:
             chunk["usage"] = None
-        await self._write(json.dumps(chunk))
+        await self._write(_json(chunk))
 
     async def finish(self) -> None:
         if self._include_usage:
             usage = responses.usage(self.prompt_tokens, self.completion_tokens)
-            await self._write(json.dumps({**self._base, "choices": [], "usage": usage}))
-        await self._write("[DONE]")
+            await self._write(_json({**self._base, "choices": [], "usage": usage}))
+        await self._write(b"[DONE]")
         await self.response.write_eof()
 
     async def error(self, exc: APIError) -> None:
         """End the stream with an error event and [DONE] (if the client is still there)."""
         with contextlib.suppress(ConnectionError):
-            await self._write(json.dumps(exc.body()))
-            await self._write("[DONE]")
+            await self._write(_json(exc.body()))
+            await self._write(b"[DONE]")
             await self.response.write_eof()
+
+
+# A chunk is encoded for every token of every stream: msgspec's encoder takes ~1 us where
+# json.dumps takes ~10 (compact UTF-8 output, as OpenAI's own API writes it).
+_ENCODER = msgspec.json.Encoder()
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    """`obj` as JSON; what msgspec refuses (a float subclass such as numpy's, a lone
+    surrogate, which UTF-8 cannot hold) is written by json.dumps, as every chunk was before."""
+    try:
+        return _ENCODER.encode(obj)
+    except (UnicodeEncodeError, TypeError):
+        return json.dumps(obj).encode()
 
 
 def _scored_prompt(
