@@ -112,6 +112,7 @@ def test_malformed_json_and_non_object_bodies_are_400(server):
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
         ({"prompt": [10**9]}, "prompt", ["token ids"]),
         ({"prompt": "x", "max_tokens": 2000}, "max_tokens", ["2000", str(MAX_MODEL_LEN)]),
+        ({"prompt": "x " * 1100}, "prompt", [str(MAX_MODEL_LEN)]),  # within the body limit
         ({"prompt": [5] * 1100}, "prompt", [str(MAX_MODEL_LEN)]),
     ],
 )
