@@ -37,6 +37,12 @@ class SchemaProblem:
     path: tuple[str | int, ...]
     message: str
 
+    @property
+    def pointer(self) -> str:
+        """`path` as a JSON Pointer fragment ("#/properties/a/type"), as errors name it."""
+        parts = (str(p).replace("~", "~0").replace("/", "~1") for p in self.path)
+        return "#" + "".join(f"/{p}" for p in parts)
+
 
 def schema_problem(schema: dict[str, Any]) -> SchemaProblem | None:
     """The first way `schema` breaks its draft's meta-schema (`$schema`, else Draft 2020-12),

@@ -166,9 +166,8 @@ def _check_schema(spec: str) -> None:
         raise StructuredOutputError("json", "a JSON schema must be an object")
     problem = schema_problem(schema)
     if problem is not None:
-        where = "/".join(str(p) for p in problem.path) or "the root"
         raise StructuredOutputError(
-            "json", f"is not a valid JSON Schema at {where}: {problem.message[:200]}"
+            "json", f"is not a valid JSON Schema at {problem.pointer}: {problem.message[:200]}"
         )
     for path, keyword in _unenforced(schema, "#"):
         raise StructuredOutputError(

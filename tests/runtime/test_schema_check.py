@@ -3,8 +3,6 @@ the offending value's path and the reason, and never a fetch of an unknown `$sch
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -56,11 +54,15 @@ def test_a_meta_schema_name_that_is_no_string_is_the_problem():
 
 
 def test_an_unknown_meta_schema_is_checked_as_the_default_draft_not_fetched():
-    # jsonschema-rs would fetch an unknown $schema over the network: a server must not.
+    # jsonschema-rs would fetch an unknown $schema over the network (a server must not): from
+    # this port the fetch fails, and the check would raise its error.
     unknown = {"$schema": "http://127.0.0.1:9/my-schema", "type": "object"}
-    started = time.monotonic()
     assert schema_problem(unknown) is None
-    bad = {**unknown, "type": "text"}
-    problem = schema_problem(bad)
+    problem = schema_problem({**unknown, "type": "text"})
     assert problem is not None and problem.path == ("type",)
-    assert time.monotonic() - started < 1.0
+
+
+def test_a_problem_is_located_by_a_json_pointer():
+    problem = schema_problem({"properties": {"a/b": {"items": [{"type": 1}]}}})
+    assert problem is not None and problem.pointer == "#/properties/a~1b/items"
+    assert SchemaProblem((), "x").pointer == "#"

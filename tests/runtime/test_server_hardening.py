@@ -336,3 +336,13 @@ def test_an_engine_fault_ends_streams_with_an_error_and_the_process_exits(
         assert "exiting so that the process is restarted" in server.log()
     finally:
         server.terminate()
+
+
+def test_streamed_chunks_are_compact_utf8_json(server):
+    # As OpenAI's API writes them: no spaces after separators, non-ASCII text as itself.
+    body = {"prompt": "café ☕", "echo": True, "max_tokens": 1, "stream": True}
+    _, resp = open_stream(server.port, "/v1/completions", body)
+    first = read_events(resp, 1)[0]
+    assert "café ☕" in first and "\\u" not in first
+    assert json.loads(first)["choices"][0]["text"] == "café ☕"
+    assert ", " not in first.replace("café ☕", "") and '": ' not in first

@@ -137,7 +137,7 @@ def test_openais_limit_of_128_tools():
                 ]
             },
             "tools[0].function.parameters",
-            "not a valid JSON schema: at properties.a.type:",
+            "not a valid JSON schema: at #/properties/a/type:",
         ),
         (
             {"tools": [tool("f", parameters={"type": "object", "required": "city"})]},

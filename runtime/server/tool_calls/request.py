@@ -126,14 +126,9 @@ def _tool(item: Any, where: str) -> Tool:
 def _check_schema(schema: Any, where: str) -> None:
     if not isinstance(schema, dict):
         raise field_error(where, f"must be an object (a JSON schema), got {json_type(schema)}")
-    if "$schema" in schema and not isinstance(schema["$schema"], str):
-        raise field_error(
-            f"{where}.$schema", f"must be a string, got {json_type(schema['$schema'])}"
-        )
     problem = schema_problem(schema)
     if problem is not None:
-        at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in problem.path)
-        reason = f"at {at.lstrip('.')}: {problem.message}" if at else problem.message
+        reason = f"at {problem.pointer}: {problem.message}"
         raise field_error(where, f"not a valid JSON schema: {_shorten(reason)}")
 
 
